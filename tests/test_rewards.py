@@ -1,0 +1,115 @@
+import itertools
+import time
+from fractions import Fraction
+
+import pytest
+
+import rewards
+
+
+@pytest.mark.parametrize("difficulty", [1, 2, 3])
+def test_arithmetic_answers_match_their_questions(difficulty):
+    task = rewards.load_task("arithmetic", difficulty)
+    assert len(task.train) == 5000 and len(task.test) == 200
+    train_prompts = {r["prompt"] for r in task.train}
+    assert not train_prompts & {r["prompt"] for r in task.test}  # disjoint splits
+    for record in task.train[:500] + task.test:
+        expression = record["prompt"].removeprefix("What is ").split("?")[0]
+        assert rewards.evaluate_expression(expression)[0] == int(record["answer"])
+        assert rewards.correctness_reward([f"\\boxed{{{record['answer']}}}"], [record["answer"]]) == [1.0]
+
+
+def test_countdown_puzzles_are_solvable_and_checked():
+    task = rewards.load_task("countdown", 1)
+    for record in task.test[:50]:
+        target, numbers = record["answer"].split("|")
+        numbers = [int(n) for n in numbers.split(",")]
+        assert str(numbers) in record["prompt"] and f"equal to {target}." in record["prompt"]
+        solutions = []  # brute force over the left-nested form the generator uses
+        for a, b, c in itertools.permutations(numbers):
+            for op1, op2 in itertools.product("+-*/", repeat=2):
+                expression = f"(({a} {op1} {b}) {op2} {c})"
+                value = rewards.evaluate_expression(expression)
+                if value is not None and value[0] == int(target):
+                    solutions.append(expression)
+        assert solutions
+        assert rewards.countdown_reward([f"so \\boxed{{{solutions[0]}}}"], [record["answer"]]) == [1.0]
+
+
+def test_countdown_reward_rules():
+    answer = "24|4,6,1"
+    cases = {
+        "\\boxed{4 * 6 * 1}": 1.0,
+        "<answer>(4 * 6) / 1 = 24</answer>": 1.0,
+        "\\boxed{4 * 6}": 0.0,  # a number unused
+        "\\boxed{4 * 6 * 1 * 1}": 0.0,  # a number used twice
+        "\\boxed{24}": 0.0,
+        "4 * 6 * 1": 0.0,  # no boxed expression
+        "\\boxed{4 * 6 / (1 - 1)}": 0.0,  # division by zero
+        "\\boxed{__import__('os')}": 0.0,
+    }
+    assert rewards.countdown_reward(list(cases), [answer] * len(cases)) == list(cases.values())
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("The answer is \\boxed{42}.", "42"),
+        ("\\boxed{\\frac{1}{2}} then \\boxed{7}", "7"),
+        ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+        ("<answer> 13 </answer>", "13"),
+        ("first 3, then 1,200 apples", "1,200"),
+        ("no numbers here", None),
+        ("\\boxed{12", "12"),  # unclosed box: falls back to the last number
+    ],
+)
+def test_extract_answer(text, expected):
+    assert rewards.extract_answer(text) == expected
+
+
+@pytest.mark.parametrize(
+    "completion, answer, expected",
+    [("\\boxed{12.0}", "12", 1.0), ("1,200", "1200", 1.0), ("\\boxed{$5}", "5", 1.0), ("\\\\boxed{3/4}", "0.75", 1.0),
+     ("-7", "-7", 1.0), ("\\boxed{13}", "12", 0.0), ("12 or 13", "12", 0.0), ("", "12", 0.0),
+     ("\\boxed{yes}", "yes", 1.0)],
+)
+def test_correctness_reward_numeric_equivalence(completion, answer, expected):
+    assert rewards.correctness_reward([completion], [answer]) == [expected]
+
+
+def test_format_reward():
+    texts = ["\\boxed{3}", "<answer>3</answer>", "3", "\\boxed{3"]
+    assert rewards.format_reward(texts, ["3"] * 4) == [1.0, 1.0, 0.0, 0.0]
+
+
+HOSTILE = ["9" * 1_000_000, "{" * 1_000_000, "\\boxed{" * 200_000, "\\boxed{" + "{" * 1_000_000 + "1",
+           "(" * 1_000_000, "<answer>" * 200_000, "1," * 500_000, "1." * 500_000, "\\boxed{" + "(" * 150 + "1"]
+
+
+@pytest.mark.parametrize("text", HOSTILE, ids=lambda t: f"{t[:10]!r}x{len(t)}")
+def test_rewards_never_raise_and_stay_fast_on_hostile_strings(text):
+    for fn, answer in [(rewards.correctness_reward, "9"), (rewards.format_reward, "9"),
+                       (rewards.countdown_reward, "24|4,6,1")]:
+        start = time.perf_counter()
+        scores = fn([text], [answer])
+        assert len(scores) == 1 and scores[0] in (0.0, 1.0)
+        assert time.perf_counter() - start < 5.0  # linear-time scans: far below this on any machine
+
+
+def test_parse_number_rejects_huge_numbers():
+    assert rewards.parse_number("9" * 41) is None
+    assert rewards.parse_number("1,234.5") == Fraction(2469, 2)
+
+
+def test_jsonl_task(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(f'{{"q": "{i}+1", "a": "#### {i + 1}"}}' for i in range(20)))
+    task = rewards.load_task(str(path), prompt_field="q", answer_field="a")
+    assert len(task.train) == 18 and len(task.test) == 2
+    assert task.train[0] == {"prompt": "0+1", "answer": "1"}  # GSM8K-style '####' answers
+    with pytest.raises(ValueError, match="--prompt-field"):
+        rewards.load_task(str(path))
+    with pytest.raises(FileNotFoundError):
+        rewards.load_task(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match="not one of"):
+        rewards.load_task("nonsense")
