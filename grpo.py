@@ -335,7 +335,7 @@ def main(args: Args) -> None:
     B = args.num_prompts * args.group_size
     minibatch_size = B // args.num_minibatches
     reuse_logprobs = args.num_iterations == 1 and args.num_minibatches == 1  # then pi_old == pi_theta
-    progress = tqdm(range(1, args.steps + 1), desc="grpo")
+    progress = tqdm(range(1, args.steps + 1), desc=args.exp_name)
     step = 0
     try:
         for step in progress:

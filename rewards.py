@@ -86,8 +86,11 @@ def correctness_reward(completions: list[str], answers: list[str]) -> list[float
 
 
 def format_reward(completions: list[str], answers: list[str]) -> list[float]:
-    """1.0 when the completion states its final answer in `\\boxed{}` or an `<answer>` tag, else 0.0."""
-    return [float(last_boxed(c) is not None or last_answer_tag(c) is not None) for c in completions]
+    """1.0 when the completion states a final answer in `\\boxed{...}` or an `<answer>` tag, else 0.0.
+
+    An empty `\\boxed{}` does not count: small models otherwise learn to copy the instruction's `\\boxed{}`."""
+    found = [last_boxed(c) if last_boxed(c) is not None else last_answer_tag(c) for c in completions]
+    return [float(f is not None and f.strip() != "") for f in found]
 
 
 def countdown_reward(completions: list[str], answers: list[str]) -> list[float]:

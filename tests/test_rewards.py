@@ -78,8 +78,8 @@ def test_correctness_reward_numeric_equivalence(completion, answer, expected):
 
 
 def test_format_reward():
-    texts = ["\\boxed{3}", "<answer>3</answer>", "3", "\\boxed{3"]
-    assert rewards.format_reward(texts, ["3"] * 4) == [1.0, 1.0, 0.0, 0.0]
+    texts = ["\\boxed{3}", "<answer>3</answer>", "3", "\\boxed{3", "\\boxed{}", "<answer> </answer>", "\\boxed{x}"]
+    assert rewards.format_reward(texts, ["3"] * 7) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
 
 
 HOSTILE = ["9" * 1_000_000, "{" * 1_000_000, "\\boxed{" * 200_000, "\\boxed{" + "{" * 1_000_000 + "1",
