@@ -50,11 +50,17 @@ def last_answer_tag(text: str) -> str | None:
     return None if end < 0 else text[start + len("<answer>") : end]
 
 
+def stated_answer(text: str) -> str | None:
+    """Content of the last `\\boxed{}`, else of the last `<answer>` tag; None if there is neither."""
+    found = last_boxed(text)
+    return last_answer_tag(text) if found is None else found
+
+
 def extract_answer(text: str) -> str | None:
     """The final answer of a completion: `\\boxed{}`, else an `<answer>` tag, else the last number."""
-    for found in (last_boxed(text), last_answer_tag(text)):
-        if found is not None:
-            return found.strip()
+    found = stated_answer(text)
+    if found is not None:
+        return found.strip()
     numbers = NUMBER_RE.findall(text)
     return numbers[-1] if numbers else None
 
@@ -89,7 +95,7 @@ def format_reward(completions: list[str], answers: list[str]) -> list[float]:
     """1.0 when the completion states a final answer in `\\boxed{...}` or an `<answer>` tag, else 0.0.
 
     An empty `\\boxed{}` does not count: small models otherwise learn to copy the instruction's `\\boxed{}`."""
-    found = [last_boxed(c) if last_boxed(c) is not None else last_answer_tag(c) for c in completions]
+    found = [stated_answer(c) for c in completions]
     return [float(f is not None and f.strip() != "") for f in found]
 
 
@@ -101,8 +107,7 @@ def countdown_reward(completions: list[str], answers: list[str]) -> list[float]:
     scores = []
     for completion, answer in zip(completions, answers):
         target, numbers = answer.split("|")
-        found = last_boxed(completion)
-        found = last_answer_tag(completion) if found is None else found
+        found = stated_answer(completion)
         if found is not None and "=" in found:  # "3 + 4 = 7": keep the left-hand side
             found = found.split("=")[0]
         result = evaluate_expression(found) if found is not None else None
