@@ -20,6 +20,7 @@ Deliberate simplifications, each to keep the file readable:
 
 import copy
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -281,6 +282,27 @@ def score(completions: list[str], answers: list[str], task: rewards.Task, weight
     return total.float(), parts
 
 
+def rollouts(model, tokenizer, task: rewards.Task, args: Args, gen_config, eos_ids: list[int]):
+    """Steps 1 to 3 of every training step, as an endless generator of scored batches of B = num_prompts * G."""
+    order = list(range(len(task.train)))
+    random.shuffle(order)
+    for start in itertools.count(0, args.num_prompts):
+        # 1. take num_prompts prompts (cycling through a shuffled train split)
+        picked = [task.train[order[(start + k) % len(order)]] for k in range(args.num_prompts)]
+        prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in picked], args.max_prompt_tokens)
+
+        # 2. sample G completions per prompt in one batched generate call
+        input_ids, attention_mask, completion_mask, truncated = sample(
+            model, tokenizer, prompt_ids, args.group_size, gen_config, eos_ids)  # (B, P+T), (B, P+T), (B, T), (B,)
+        T = completion_mask.shape[1]
+        completions = decode(tokenizer, input_ids[:, -T:], completion_mask)
+        answers = [r["answer"] for r in picked for _ in range(args.group_size)]
+
+        # 3. score every completion
+        reward, reward_parts = score(completions, answers, task, args.reward_weights)  # (B,)
+        yield input_ids, attention_mask, completion_mask, truncated, completions, reward, reward_parts
+
+
 @torch.no_grad()
 def evaluate(model, tokenizer, records: list[dict], correctness: rewards.RewardFunc, args: Args, eos_ids: list[int]) -> float:
     """Greedy accuracy on held-out records, measured with the task's correctness reward."""
@@ -330,8 +352,7 @@ def main(args: Args) -> None:
     eval_records = task.test[: args.eval_prompts]
     if args.eval_every > 0:
         writer.add_scalar("charts/eval_accuracy", evaluate(model, tokenizer, eval_records, task.correctness, args, eos_ids), 0)
-    order = list(range(len(task.train)))
-    random.shuffle(order)
+    batches = rollouts(model, tokenizer, task, args, gen_config, eos_ids)
     B = args.num_prompts * args.group_size
     minibatch_size = B // args.num_minibatches
     reuse_logprobs = args.num_iterations == 1 and args.num_minibatches == 1  # then pi_old == pi_theta
@@ -340,20 +361,10 @@ def main(args: Args) -> None:
     try:
         for step in progress:
             step_start = time.time()
-            # 1. take num_prompts prompts (cycling through a shuffled train split)
-            picked = [task.train[order[((step - 1) * args.num_prompts + k) % len(order)]] for k in range(args.num_prompts)]
-            prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in picked], args.max_prompt_tokens)
-
-            # 2. sample G completions per prompt in one batched generate call
-            input_ids, attention_mask, completion_mask, truncated = sample(
-                model, tokenizer, prompt_ids, args.group_size, gen_config, eos_ids)  # (B, P+T), (B, P+T), (B, T), (B,)
+            # 1.-3. take num_prompts prompts, sample G completions for each and score them (in `rollouts`)
+            input_ids, attention_mask, completion_mask, truncated, completions, reward, reward_parts = next(batches)
             T = completion_mask.shape[1]
-            completions = decode(tokenizer, input_ids[:, -T:], completion_mask)
-            answers = [r["answer"] for r in picked for _ in range(args.group_size)]
             sample_seconds = time.time() - step_start
-
-            # 3. score every completion
-            reward, reward_parts = score(completions, answers, task, args.reward_weights)  # (B,)
 
             # 4. group-relative advantages
             advantages = compute_advantages(reward, args.group_size).to(device)  # (B,)

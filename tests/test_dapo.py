@@ -1,0 +1,148 @@
+"""DAPO maths on hand-computed numbers (token-level loss, clip-higher, overlong shaping), micro-batch gradient
+equivalence, and dynamic sampling run through main() with a scripted reward."""
+
+import glob
+
+import pytest
+import torch
+import tyro
+from conftest import read_run
+from transformers import AutoModelForCausalLM
+
+import dapo
+
+
+def loss_of(logprobs, old, advantages, mask, **overrides):
+    return dapo.compute_policy_loss(logprobs, old, advantages, mask, dapo.Args(**overrides))
+
+
+def test_every_token_of_200_and_10_token_completions_weighs_1_over_210():
+    """The seed's example: GRPO gives the 10-token completion's tokens 20 times the weight; DAPO weighs all 210 alike."""
+    mask = torch.zeros(2, 200)
+    mask[0, :200], mask[1, :10] = 1, 1
+    logprobs = torch.full((2, 200), -1.0, requires_grad=True)
+    loss, _ = loss_of(logprobs, logprobs.detach(), torch.tensor([1.0, 1.0]), mask)
+    loss.backward()
+    assert torch.allclose(logprobs.grad[mask.bool()], torch.full((210,), -1 / 210))
+    assert (logprobs.grad[1, 10:] == 0).all()  # padding gets no gradient
+    assert loss.item() == pytest.approx(-1.0)
+
+
+@pytest.mark.parametrize("clip_eps_high, clipped", [(0.28, False), (0.2, True)])
+def test_clip_higher_lets_a_rare_token_rise_from_0_2_to_0_25(clip_eps_high, clipped):
+    """The seed's example: pi_old = 0.2, pi_theta = 0.25, A > 0. The ratio 1.25 is inside 1 + 0.28, outside 1 + 0.2."""
+    logprobs = torch.log(torch.tensor([[0.25]])).requires_grad_(True)
+    old = torch.log(torch.tensor([[0.2]]))
+    loss, stats = loss_of(logprobs, old, torch.tensor([1.0]), torch.ones(1, 1), clip_eps_high=clip_eps_high)
+    loss.backward()
+    if clipped:  # -clip(1.25, 0.8, 1.2) * A: a constant, so no gradient
+        assert loss.item() == pytest.approx(-1.2) and logprobs.grad.item() == 0.0
+        assert stats["clip_fraction_high"] == 1.0
+    else:  # -w A with d w / d logp = w
+        assert loss.item() == pytest.approx(-1.25) and logprobs.grad.item() == pytest.approx(-1.25)
+        assert stats["clip_fraction_high"] == 0.0
+    assert stats["clip_fraction_low"] == 0.0
+
+
+def test_low_and_high_clip_fractions_are_counted_apart():
+    ratios = torch.tensor([[0.7, 0.9, 1.25, 1.3], [0.7, 0.9, 1.25, 1.3]])  # the first row has A > 0, the second A < 0
+    _, stats = loss_of(ratios.log(), torch.zeros(2, 4), torch.tensor([1.0, -1.0]), torch.ones(2, 4))
+    # A > 0: only 1.3 > 1.28 is clipped; A < 0: only 0.7 < 0.8 is clipped
+    assert stats["clip_fraction_high"] == pytest.approx(1 / 8) and stats["clip_fraction_low"] == pytest.approx(1 / 8)
+    assert stats["clip_fraction"] == pytest.approx(2 / 8)
+
+
+def test_overlong_penalty_at_inside_and_beyond_the_buffer():
+    # L_max = 20, L_cache = 4: no penalty up to 16 tokens, then -1/4 per token, -1 at 20 and beyond
+    lengths = torch.tensor([1, 16, 17, 18, 19, 20, 21, 50])
+    expected = [0.0, 0.0, -0.25, -0.5, -0.75, -1.0, -1.0, -1.0]
+    assert dapo.overlong_penalty(lengths, 20, 4).tolist() == expected
+    assert dapo.overlong_penalty(lengths, 20, 0).tolist() == [0.0] * 6 + [-1.0, -1.0]  # no buffer: only beyond L_max
+
+
+def test_token_weighted_micro_batches_give_the_gradient_of_the_whole_batch():
+    """The classic bug: averaging micro-batch token means with equal (or per-sample) weights is not the token mean
+    of the batch. Weighting each micro-batch's loss by its share of the tokens is."""
+    torch.manual_seed(0)
+    lengths = [9, 1, 2, 7, 3]
+    mask = (torch.arange(9)[None] < torch.tensor(lengths)[:, None]).float()  # (5, 9)
+    old = torch.randn(5, 9) * 0.1 - 1
+    new = (old + torch.randn(5, 9) * 0.2).requires_grad_(True)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0])
+
+    def gradient(micro_batches, weigh):
+        new.grad = None
+        for mb in micro_batches:
+            loss, _ = loss_of(new[mb], old[mb], advantages[mb], mask[mb])
+            (loss * weigh(mb)).backward()
+        return new.grad.clone()
+
+    whole = gradient([torch.arange(5)], lambda mb: 1.0)
+    micro = [torch.tensor([0, 1]), torch.tensor([2, 3]), torch.tensor([4])]
+    by_tokens = gradient(micro, lambda mb: mask[mb].sum() / mask.sum())  # what dapo.main does
+    by_samples = gradient(micro, lambda mb: len(mb) / 5)  # what is right for GRPO's per-sequence mean
+    assert torch.allclose(by_tokens, whole, atol=1e-7)
+    assert not torch.allclose(by_samples, whole, atol=1e-3)
+
+
+class ScriptedRewards:
+    """Stands in for dapo.score: the n-th call returns the n-th list of rewards, then repeats the last one."""
+
+    def __init__(self, rounds):
+        self.rounds, self.calls = rounds, 0
+
+    def __call__(self, completions, answers, task, weights):
+        reward = torch.tensor(self.rounds[min(self.calls, len(self.rounds) - 1)], dtype=torch.float)
+        assert len(reward) == len(completions)
+        self.calls += 1
+        return reward, {"correctness": reward}
+
+
+def run_main(tmp_path, monkeypatch, tiny_model, copy_task, rewards, *argv):
+    """dapo.main with a scripted reward, 2 prompts x 4 completions; returns its scalars, the advantages it trained
+    on and the final weights."""
+    monkeypatch.setattr(dapo, "score", ScriptedRewards(rewards))
+    trained = []
+    loss = dapo.compute_policy_loss
+    monkeypatch.setattr(dapo, "compute_policy_loss", lambda lp, old, adv, *a: trained.append(adv) or loss(lp, old, adv, *a))
+    monkeypatch.chdir(tmp_path)
+    args = ["--model", tiny_model, "--task", copy_task, "--eval-every", "0", "--num-prompts", "2", "--group-size", "4",
+            "--max-new-tokens", "4", "--overlong-buffer", "0", "--num-minibatches", "1", "--output-dir", "ckpt", *argv]
+    dapo.main(tyro.cli(dapo.Args, args=args))
+    scalars, _ = read_run(str(tmp_path))
+    (final,) = glob.glob("ckpt/*/final")
+    return scalars, torch.cat(trained) if trained else torch.zeros(0), AutoModelForCausalLM.from_pretrained(final)
+
+
+def test_dynamic_sampling_fills_the_batch_with_groups_that_have_contrast(tmp_path, monkeypatch, tiny_model, copy_task):
+    rounds = [[1, 1, 1, 1, 0, 1, 0, 0],  # round 1: the first group is all correct (dropped), the second is kept
+              [0, 0, 0, 0, 0, 0, 0, 0],  # round 2: nothing to learn from
+              [1, 0, 1, 0, 1, 1, 0, 0]]  # round 3: two groups with contrast; the batch needs only one more
+    scalars, trained, _ = run_main(tmp_path, monkeypatch, tiny_model, copy_task, rounds, "--steps", "1")
+    assert scalars["charts/sampling_rounds"] == [(1, 3.0)]
+    assert scalars["charts/kept_groups"] == [(1, 2.0)]
+    assert scalars["charts/filtered_fraction"][0][1] == pytest.approx(1 - 2 / 6)
+    assert scalars["charts/zero_std_fraction"][0][1] == pytest.approx(3 / 6)  # of everything sampled
+    assert scalars["charts/reward_mean"][0][1] == pytest.approx(9 / 24)  # of everything sampled, too
+    kept = dapo.compute_advantages(torch.tensor([0.0, 1, 0, 0, 1, 0, 1, 0]), 4)  # the two kept groups
+    assert sorted(trained.tolist()) == pytest.approx(sorted(kept.tolist()))
+
+
+def test_dynamic_sampling_stops_at_its_cap_and_trains_on_nothing_without_contrast(tmp_path, monkeypatch, tiny_model,
+                                                                                    copy_task):
+    scalars, trained, model = run_main(tmp_path, monkeypatch, tiny_model, copy_task, [[1.0] * 8], "--steps", "2",
+                                       "--max-sampling-rounds", "3")
+    assert [v for _, v in scalars["charts/sampling_rounds"]] == [3.0, 3.0]
+    assert [v for _, v in scalars["charts/kept_groups"]] == [0.0, 0.0]
+    assert len(trained) == 0 and "losses/policy_loss" not in scalars
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    assert all(torch.equal(initial[k], v) for k, v in model.state_dict().items())  # no optimizer step at all
+
+
+def test_without_dynamic_sampling_every_group_is_trained_on(tmp_path, monkeypatch, tiny_model, copy_task):
+    rounds = [[1, 1, 1, 1, 0, 1, 0, 0]]
+    scalars, trained, _ = run_main(tmp_path, monkeypatch, tiny_model, copy_task, rounds, "--steps", "1",
+                                   "--no-dynamic-sampling")
+    assert scalars["charts/sampling_rounds"] == [(1, 1.0)] and scalars["charts/kept_groups"] == [(1, 2.0)]
+    assert scalars["charts/filtered_fraction"] == [(1, 0.0)]
+    assert len(trained) == 8 and (trained == 0).sum() == 4  # the all-correct group is in the batch, with A = 0

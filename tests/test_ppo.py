@@ -1,0 +1,121 @@
+"""PPO maths: GAE against a plain loop, the per-token reward, value-loss clipping and explained variance on
+hand-computed numbers, whitening, the per-token clipped surrogate, and the critic on a tiny model."""
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import ppo
+
+
+def gae_reference(rewards: list[float], values: list[float], gamma: float, lam: float) -> list[float]:
+    """GAE of one completion of len(rewards) real tokens, written as a plain loop over time steps."""
+    advantages, running = [0.0] * len(rewards), 0.0
+    for t in reversed(range(len(rewards))):
+        next_value = values[t + 1] if t + 1 < len(rewards) else 0.0  # the episode ends with the completion
+        delta = rewards[t] + gamma * next_value - values[t]
+        running = delta + gamma * lam * running
+        advantages[t] = running
+    return advantages
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 0.95), (0.9, 0.8), (1.0, 1.0), (0.99, 0.0)])
+def test_gae_matches_a_plain_loop_on_ragged_masks(gamma, lam):
+    torch.manual_seed(0)
+    lengths = [7, 1, 4, 7, 2]
+    mask = (torch.arange(7)[None] < torch.tensor(lengths)[:, None]).long()  # (5, 7)
+    rewards, values = torch.randn(5, 7), torch.randn(5, 7)  # padding holds noise: it must not leak in
+    advantages, returns = ppo.compute_gae(rewards, values, mask, gamma, lam)
+    for i, n in enumerate(lengths):
+        expected = gae_reference(rewards[i, :n].tolist(), values[i, :n].tolist(), gamma, lam)
+        assert advantages[i, :n].tolist() == pytest.approx(expected, abs=1e-5)
+        assert returns[i, :n].tolist() == pytest.approx([a + v for a, v in zip(expected, values[i, :n].tolist())], abs=1e-5)
+        assert (advantages[i, n:] == 0).all() and (returns[i, n:] == 0).all()
+
+
+def test_gae_with_gamma_and_lambda_one_is_reward_to_go_minus_value():
+    rewards = torch.tensor([[0.1, -0.2, 1.0, 0.0]])
+    values = torch.tensor([[0.5, 0.4, 0.3, 9.0]])
+    advantages, returns = ppo.compute_gae(rewards, values, torch.tensor([[1, 1, 1, 0]]), 1.0, 1.0)
+    assert advantages[0].tolist() == pytest.approx([0.9 - 0.5, 0.8 - 0.4, 1.0 - 0.3, 0.0])
+    assert returns[0].tolist() == pytest.approx([0.9, 0.8, 1.0, 0.0])
+
+
+def test_kl_penalty_on_every_real_token_and_score_on_the_last_one_only():
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5, -3.0], [-1.0, -1.0, -9.0, -9.0]])
+    ref = torch.tensor([[-1.5, -2.0, -1.0, -0.1], [-0.5, -1.0, -0.1, -0.1]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    rewards, non_score = ppo.compute_rewards(torch.tensor([1.0, 0.5]), logprobs, ref, mask, beta=0.1)
+    # -beta (logp - ref) = -0.1 * [0.5, 0, 0.5] and -0.1 * [-0.5, 0]; the scores 1.0 and 0.5 on tokens 3 and 2
+    assert rewards[0].tolist() == pytest.approx([-0.05, 0.0, -0.05 + 1.0, 0.0])
+    assert rewards[1].tolist() == pytest.approx([0.05, 0.0 + 0.5, 0.0, 0.0])
+    assert non_score.sum(1).tolist() == pytest.approx([-0.1, 0.05])
+    no_kl, _ = ppo.compute_rewards(torch.tensor([1.0, 0.5]), logprobs, ref, mask, beta=0.0)
+    assert no_kl.tolist() == [[0.0, 0.0, 1.0, 0.0], [0.0, 0.5, 0.0, 0.0]]
+
+
+def test_value_loss_is_clipped_around_the_old_values():
+    args = ppo.Args(cliprange_value=0.2)
+    old = torch.tensor([[0.0, 0.0, 0.0, 0.0]])
+    values = torch.tensor([[0.5, 0.5, -0.1, 0.3]], requires_grad=True)
+    returns = torch.tensor([[1.0, -1.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    loss, stats = ppo.compute_value_loss(values, old, returns, mask, args)
+    loss.backward()
+    # token 1: V = 0.5, clipped to 0.2: max((0.5-1)^2, (0.2-1)^2) = 0.64, the clipped term: no gradient
+    # token 2: max((0.5+1)^2, (0.2+1)^2) = 2.25, unclipped; token 3: inside the range, 0.01; token 4: padding
+    assert loss.item() == pytest.approx(0.5 * (0.64 + 2.25 + 0.01) / 3)
+    assert values.grad[0].tolist() == pytest.approx([0.0, (0.5 + 1) / 3, -0.1 / 3, 0.0])
+    assert stats["value_clip_fraction"] == pytest.approx(1 / 3)
+
+
+def test_explained_variance():
+    returns = torch.tensor([[1.0, 2.0, 3.0, 99.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    assert ppo.explained_variance(returns.clone(), returns, mask) == pytest.approx(1.0)
+    assert ppo.explained_variance(torch.full((1, 4), 2.0), returns, mask) == pytest.approx(0.0)
+    # values [0, 2, 4] leave residuals [1, 0, -1]: variance 1, as much as the returns' own
+    assert ppo.explained_variance(torch.tensor([[0.0, 2.0, 4.0, 0.0]]), returns, mask) == pytest.approx(0.0)
+    assert ppo.explained_variance(torch.tensor([[1.5, 2.0, 2.5, 0.0]]), returns, mask) == pytest.approx(0.75)
+
+
+def test_whiten_over_real_tokens_only():
+    x = torch.tensor([[1.0, 2.0, 50.0], [3.0, -7.0, -7.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    white = ppo.whiten(x, mask)
+    real = white[mask.bool()]
+    assert real.tolist() == pytest.approx([-1 / math.sqrt(2 / 3), 0.0, 1 / math.sqrt(2 / 3)], abs=1e-4)
+    assert white[~mask.bool()].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_policy_loss_uses_each_tokens_own_advantage_and_token_mean():
+    ratios = torch.tensor([[1.0, 1.3, 0.7], [1.0, 1.0, 1.0]])
+    logprobs = ratios.log().requires_grad_(True)
+    advantages = torch.tensor([[1.0, 1.0, -1.0], [-2.0, 0.5, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    loss, stats = ppo.compute_policy_loss(logprobs, torch.zeros(2, 3), torch.zeros(2, 3), advantages, mask,
+                                          ppo.Args(beta=0.0))
+    loss.backward()
+    # -min(w A, clip(w) A) per token: -1, -1.2 (clipped), +0.8 (clipped), +2, -0.5; the mean of 5 real tokens
+    assert loss.item() == pytest.approx((-1 - 1.2 + 0.8 + 2 - 0.5) / 5)
+    assert torch.allclose(logprobs.grad, torch.tensor([[-1 / 5, 0.0, 0.0], [2 / 5, -0.5 / 5, 0.0]]))
+    assert stats["clip_fraction"] == pytest.approx(2 / 5)
+
+
+def test_critic_starts_at_zero_and_ignores_left_padding(tiny_model):
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model)
+    critic = ppo.Critic(policy)
+    assert critic.backbone is not policy.base_model and not hasattr(critic.backbone, "lm_head")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [0, 0, 0, 11, 12, 13]])
+    attention = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]])
+    assert critic(ids, attention, 2).tolist() == [[0.0, 0.0], [0.0, 0.0]]  # a zero head: V = 0 everywhere
+    torch.nn.init.normal_(critic.head.weight)
+    values = critic(ids, attention, 2)  # (2, 2): the states before each of the last 2 tokens
+    unpadded = critic(torch.tensor([[11, 12, 13]]), torch.ones(1, 3, dtype=torch.long), 2)
+    assert torch.allclose(values[1], unpadded[0], atol=1e-5)
+    # position t of the output is the state before completion token t: the hidden state of the token before it
+    hidden = policy.base_model(input_ids=ids[:1]).last_hidden_state
+    assert torch.allclose(values[0], critic.head(hidden[0, -3:-1]).squeeze(-1), atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(critic.backbone.parameters(), policy.base_model.parameters()))
