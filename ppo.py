@@ -88,8 +88,8 @@ class Args:
     """reward functions from rewards.py and their weights; reward = sum of weight * function"""
 
     # sampling
-    num_prompts: int = 4
-    """prompts per step"""
+    num_prompts: int = 16
+    """prompts per step (PPO: 16 x group_size 1, as many completions per step as the other scripts' 4 x 4)"""
     group_size: int = 1
     """completions sampled per prompt (PPO needs no group: the critic gives the baseline)"""
     max_prompt_tokens: int = 256
