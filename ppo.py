@@ -184,7 +184,10 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device):
     tokenizer.padding_side = "left"  # generation appends on the right
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer, model.to(device)
+    for module in model.modules():  # no dropout (as in TRL): a sequence's log-probs must not change between passes
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return tokenizer, model.to(device).train()  # train mode: HF checkpoints activations (--gradient-checkpointing) only in it
 
 
 def eos_token_ids(tokenizer, model) -> list[int]:

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GPT2Config, GPT2LMHeadModel
 
 import grpo
 
@@ -141,3 +141,35 @@ def test_positive_advantage_raises_probability_of_sampled_tokens(model_and_token
             p -= 0.01 * p.grad
     after, _ = grpo.token_logprobs(model, ids, attention, 3, 1.0)
     assert after.sum() > before.sum()
+
+
+def test_gradient_checkpointing_recomputes_the_forward_in_the_backward_pass(tiny_model):
+    """HF checkpoints activations only in train mode: load_model must leave the model in it, or
+    --gradient-checkpointing would silently save nothing. A checkpointed layer runs its modules twice."""
+    ids, attention = torch.tensor([[5, 6, 7, 8]]), torch.ones(1, 4, dtype=torch.long)
+    forwards = []
+    for checkpointing in (False, True):
+        _, model = grpo.load_model(tiny_model, torch.float32, torch.device("cpu"))
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        calls = []
+        model.model.layers[0].self_attn.register_forward_pre_hook(lambda *_: calls.append(1))  # again when recomputed
+        logprobs, _ = grpo.token_logprobs(model, ids, attention, 2, 1.0)
+        logprobs.sum().backward()
+        forwards.append(len(calls))
+    assert forwards == [1, 2]
+
+
+def test_dropout_is_off_so_log_probs_repeat(tiny_model, tmp_path):
+    """A model with dropout (GPT-2 here, at p = 0.5) in train mode: the same tokens must get the same log-probs."""
+    config = GPT2Config(vocab_size=21, n_embd=32, n_layer=1, n_head=2, n_positions=64, resid_pdrop=0.5,
+                        embd_pdrop=0.5, attn_pdrop=0.5)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(tmp_path)
+    _, model = grpo.load_model(str(tmp_path), torch.float32, torch.device("cpu"))
+    assert model.training
+    ids, attention = torch.tensor([[5, 6, 7, 8, 9]]), torch.ones(1, 5, dtype=torch.long)
+    first, _ = grpo.token_logprobs(model, ids, attention, 3, 1.0)
+    second, _ = grpo.token_logprobs(model, ids, attention, 3, 1.0)
+    assert torch.equal(first, second)
