@@ -25,7 +25,6 @@ Deliberate simplifications, each to keep the file readable:
 import importlib.util
 import itertools
 import json
-import math
 import os
 import random
 import time

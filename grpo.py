@@ -22,7 +22,6 @@ import copy
 import importlib.util
 import itertools
 import json
-import math
 import os
 import random
 import time

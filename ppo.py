@@ -480,13 +480,13 @@ def main(args: Args) -> None:
                         old = logprobs.detach() if reuse_logprobs else old_logprobs[mb]
                         loss, mb_stats = compute_policy_loss(logprobs, old, ref_logprobs[mb], advantages[mb],
                                                              completion_mask[mb], args)
-                        values = critic(input_ids[mb], attention_mask[mb], T)  # (mb, T): PPO: the critic's update
-                        value_loss, value_stats = compute_value_loss(values, old_values[mb], returns[mb], completion_mask[mb], args)
-                        entropy = masked_mean(entropy, completion_mask[mb])
-                        total = loss + args.vf_coef * value_loss - args.entropy_coef * entropy  # PPO: -(L_CLIP - c1 L_VF + c2 H)
+                        new_values = critic(input_ids[mb], attention_mask[mb], T)  # (mb, T): PPO: the critic's update
+                        value_loss, value_stats = compute_value_loss(new_values, old_values[mb], returns[mb], completion_mask[mb], args)
+                        mean_entropy = masked_mean(entropy, completion_mask[mb])
+                        total = loss + args.vf_coef * value_loss - args.entropy_coef * mean_entropy  # PPO: -(L_CLIP - c1 L_VF + c2 H)
                         # PPO: token means, so each micro-batch weighs its share of the mini-batch's tokens
                         (total * completion_mask[mb].sum() / completion_mask[minibatch].sum()).backward()
-                        mb_stats.update(policy_loss=loss.item(), entropy=entropy.item(), **value_stats)
+                        mb_stats.update(policy_loss=loss.item(), entropy=mean_entropy.item(), **value_stats)
                         stats.append(mb_stats)
                     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                     value_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)  # PPO

@@ -102,9 +102,13 @@ def run_main(tmp_path, monkeypatch, tiny_model, copy_task, rewards, *argv):
     """dapo.main with a scripted reward, 2 prompts x 4 completions; returns its scalars, the advantages it trained
     on and the final weights."""
     monkeypatch.setattr(dapo, "score", ScriptedRewards(rewards))
-    trained = []
-    loss = dapo.compute_policy_loss
-    monkeypatch.setattr(dapo, "compute_policy_loss", lambda lp, old, adv, *a: trained.append(adv) or loss(lp, old, adv, *a))
+    trained, compute_policy_loss = [], dapo.compute_policy_loss
+
+    def recording_policy_loss(logprobs, old_logprobs, advantages, mask, args):  # notes the advantages trained on
+        trained.append(advantages)
+        return compute_policy_loss(logprobs, old_logprobs, advantages, mask, args)
+
+    monkeypatch.setattr(dapo, "compute_policy_loss", recording_policy_loss)
     monkeypatch.chdir(tmp_path)
     args = ["--model", tiny_model, "--task", copy_task, "--eval-every", "0", "--num-prompts", "2", "--group-size", "4",
             "--max-new-tokens", "4", "--overlong-buffer", "0", "--num-minibatches", "1", "--output-dir", "ckpt", *argv]

@@ -152,8 +152,8 @@ def test_gradient_checkpointing_recomputes_the_forward_in_the_backward_pass(tiny
         _, model = grpo.load_model(tiny_model, torch.float32, torch.device("cpu"))
         if checkpointing:
             model.gradient_checkpointing_enable()
-        calls = []
-        model.model.layers[0].self_attn.register_forward_pre_hook(lambda *_: calls.append(1))  # again when recomputed
+        calls = []  # the attention's pre-hook runs again when the layer is recomputed
+        model.model.layers[0].self_attn.register_forward_pre_hook(lambda module, inputs, calls=calls: calls.append(1))
         logprobs, _ = grpo.token_logprobs(model, ids, attention, 2, 1.0)
         logprobs.sum().backward()
         forwards.append(len(calls))
