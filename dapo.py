@@ -1,12 +1,12 @@
 """DAPO: Decoupled Clip and Dynamic sAmpling Policy Optimization (ByteDance Seed, arXiv 2503.14476), cut from grpo.py.
 
-GRPO with four changes, each behind its own argument, and no KL term (so no reference model):
+GRPO with four changes, each behind its own argument, and no KL term by default (--beta 0, as in the paper):
 
     J(theta) = 1/sum_i |o_i| sum_i sum_t min(w_it A_i, clip(w_it, 1 - eps_low, 1 + eps_high) A_i)
                subject to 0 < |{o_i : o_i is correct}| < G                  (A_i and w_it as in GRPO)
   1. clip-higher (--clip-eps-low 0.2 --clip-eps-high 0.28): more room for a rare token's probability to rise;
-  2. dynamic sampling (--dynamic-sampling, --max-sampling-rounds): groups of equal rewards (A_i = 0) are
-     dropped and more prompts sampled until the batch holds num_prompts groups with contrast;
+  2. dynamic sampling (--dynamic-sampling, --max-sampling-rounds): groups whose completions are all correct or
+     all wrong are dropped and more prompts sampled until the batch holds num_prompts groups with contrast;
   3. token-level loss: every token of a mini-batch weighs 1/sum_i |o_i|, instead of 1/(G |o_i|);
   4. overlong reward shaping (--overlong-buffer, --overlong-penalty): a length penalty falling from 0 to -1
      over the last overlong_buffer tokens before --max-new-tokens.
@@ -16,12 +16,22 @@ Run (the default model is SmolLM2-135M-Instruct, the default task built-in arith
     python dapo.py
     python dapo.py --model Qwen/Qwen2.5-0.5B-Instruct --task openai/gsm8k --max-new-tokens 512
 
+Precision: the trained weights, their gradients and the AdamW state are float32 (16 bytes per parameter,
+plus the activations); `--dtype bfloat16` (the CUDA default) runs every forward pass, sampling included, in
+bf16 autocast, and the frozen reference model is a bf16 copy (2 bytes per parameter). An update of lr 1e-5 is
+below bf16's resolution for most weights, so bf16 weights would barely move. Log-probs, the loss and the
+advantages are computed in float32.
+
+Sampling follows exactly the settings in Args (temperature, top-p, no top-k, nothing else): the model's own
+saved generation_config is replaced by a neutral one, so nothing such as a repetition penalty is merged in,
+and the sampled tokens come from the softmax(logits / temperature) that the loss assumes.
+
 Deliberate simplifications, each to keep the file readable:
   - one process, one device: no data parallelism, no vLLM sampler (sampling is `model.generate`);
-  - the weights are trained in the dtype they are loaded in (bf16 on GPU) rather than fp32 masters;
   - the std in A_i is the sample std of the group (as TRL and verl compute it).
 """
 
+import copy
 import importlib.util
 import itertools
 import json
@@ -36,7 +46,7 @@ import torch.nn.functional as F
 import tyro
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import rewards
 
@@ -52,9 +62,9 @@ class Args:
     """seed of the sampler, the prompt order and torch"""
     steps: int = 20
     """number of training steps (one batch of prompts is sampled per step)"""
-    eval_every: int = 10
+    eval_every: int = 5
     """measure held-out accuracy every this many steps (and before the first step); 0 to disable"""
-    eval_prompts: int = 32
+    eval_prompts: int = 64
     """number of held-out prompts scored, greedily, at each evaluation"""
     save_every: int = 0
     """save a checkpoint every this many steps (0: only at the end)"""
@@ -66,14 +76,15 @@ class Args:
     # model and data
     model: str = DEFAULT_MODEL
     """Hub id, local save_pretrained folder, or .gguf file of a causal LM"""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """weights dtype; auto = bfloat16 on CUDA, float32 on CPU"""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """compute dtype of the forward passes (autocast; weights and optimizer state stay float32); auto = bfloat16
+    on CUDA, float32 on CPU"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     task: str = "arithmetic"
     """built-in task (arithmetic, countdown), a .jsonl file, or a Hub dataset id (e.g. openai/gsm8k)"""
     difficulty: int = 1
-    """difficulty of a built-in task: 1, 2 or 3"""
+    """difficulty of a built-in task: 1 (a + b, numbers 0..20) to 4 (arithmetic: (a op b) op c, numbers 0..99)"""
     prompt_field: str = "prompt"
     """field holding the prompt in a .jsonl or Hub dataset"""
     answer_field: str = "answer"
@@ -93,7 +104,8 @@ class Args:
     temperature: float = 0.7
     """sampling temperature; log-probs are computed from logits / temperature too"""
     top_p: float = 1.0
-    """nucleus sampling threshold"""
+    """nucleus sampling threshold; below 1 the tokens come from a truncated distribution that the log-probs
+    (full softmax) do not describe, so the ratios and the KL are biased"""
 
     # optimisation
     learning_rate: float = 1e-5
@@ -115,13 +127,15 @@ class Args:
     clip_eps_high: float = 0.28
     """DAPO clip-higher: ratios above 1 + clip_eps_high give no gradient when A > 0"""
     dynamic_sampling: bool = True
-    """DAPO dynamic sampling: train only on groups whose rewards differ, sampling more prompts to fill the batch"""
+    """DAPO dynamic sampling: train only on groups with 0 < #correct < G, sampling more prompts to fill the batch"""
     max_sampling_rounds: int = 4
     """DAPO dynamic sampling: at most this many rounds of num_prompts prompts per step, then train on what was kept"""
     overlong_buffer: int = 12
     """DAPO overlong shaping: L_cache, the last tokens before --max-new-tokens (L_max) over which the penalty grows"""
     overlong_penalty: float = 1.0
     """DAPO overlong shaping: weight of the length penalty (0 switches it off)"""
+    beta: float = 0.0
+    """KL coefficient against the initial policy; 0 loads no reference model"""
 
 
 def validate(args: Args) -> None:
@@ -136,8 +150,10 @@ def validate(args: Args) -> None:
         (args.temperature > 0 and 0 < args.top_p <= 1, "--temperature must be > 0 and --top-p in (0, 1]"),
         (args.max_new_tokens >= 1 and args.max_prompt_tokens >= 1, "token limits must be positive"),
         (set(args.reward_weights) <= {"correctness", "format"}, "--reward-weights: correctness and format only"),
-        (args.clip_eps_low > 0 and args.clip_eps_high > 0, "--clip-eps-low and --clip-eps-high must be > 0"),
+        (args.clip_eps_low > 0 and args.clip_eps_high > 0 and args.beta >= 0, "clip ranges must be > 0, --beta >= 0"),
         (args.max_sampling_rounds >= 1, "--max-sampling-rounds must be at least 1"),
+        ("correctness" in args.reward_weights or not args.dynamic_sampling,
+         "--dynamic-sampling filters groups on the correctness reward: keep it in --reward-weights"),
         (0 <= args.overlong_buffer < args.max_new_tokens and args.overlong_penalty >= 0,
          "--overlong-buffer must be in [0, max_new_tokens) and --overlong-penalty >= 0"),
     ]
@@ -159,25 +175,34 @@ def resolve_model(name: str) -> str:
     return os.path.expanduser(name)
 
 
-def load_model(name: str, dtype: torch.dtype, device: torch.device):
-    """Tokenizer and causal LM from a Hub id, a save_pretrained folder or a .gguf file."""
+def load_model(name: str, device: torch.device):
+    """Tokenizer and causal LM, with float32 weights, from a Hub id, a save_pretrained folder or a .gguf file."""
     path = resolve_model(name)
     kwargs = {}
     if path.endswith(".gguf"):
         path, kwargs["gguf_file"] = os.path.split(os.path.abspath(path))
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    config = AutoConfig.from_pretrained(path, **kwargs)
+    for key, value in config.to_dict().items():  # no dropout (as in TRL): a sequence's log-probs must not change
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):  # between passes; Llama and Qwen2
+            setattr(config, key, 0.0)  # attention read config.attention_dropout itself in train mode
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32, **kwargs)
     if "gguf_file" in kwargs:  # rebuild without the GGUF quantization config so save_pretrained works
         del model.config.quantization_config
-        plain = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
+        plain = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
         plain.load_state_dict(model.state_dict())
         model = plain
     tokenizer.padding_side = "left"  # generation appends on the right
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    for module in model.modules():  # no dropout (as in TRL): a sequence's log-probs must not change between passes
+    for module in model.modules():  # and modules whose dropout is not in the config
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+    # a neutral generation config: `generate` would otherwise merge the checkpoint's (repetition_penalty, top_k, and
+    # with transformers 4.5x its do_sample and top_p over ours where ours equal the library defaults)
+    model.generation_config = GenerationConfig(bos_token_id=model.generation_config.bos_token_id,
+                                               eos_token_id=model.generation_config.eos_token_id,
+                                               pad_token_id=tokenizer.pad_token_id)
     return tokenizer, model.to(device).train()  # train mode: HF checkpoints activations (--gradient-checkpointing) only in it
 
 
@@ -270,8 +295,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-def compute_policy_loss(logprobs, old_logprobs, advantages, mask, args: Args):
-    """DAPO loss = -1/sum_i |o_i| sum_i sum_t min(w A, clip(w, 1 - eps_low, 1 + eps_high) A): the given batch's token mean."""
+def compute_policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args: Args):
+    """DAPO loss = -1/sum_i |o_i| sum_i sum_t [min(w A, clip(w, 1 - eps_low, 1 + eps_high) A) - beta KL]: the batch's token mean."""
     mask = mask.float()
     log_ratio = logprobs - old_logprobs  # (B, T)
     ratio = torch.exp(log_ratio)  # w_it = pi_theta / pi_old
@@ -279,6 +304,11 @@ def compute_policy_loss(logprobs, old_logprobs, advantages, mask, args: Args):
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - args.clip_eps_low, 1 + args.clip_eps_high) * adv  # DAPO: clip-higher
     per_token = -torch.min(unclipped, clipped)  # (B, T)
+    kl = torch.zeros_like(logprobs)
+    if args.beta > 0:
+        delta = ref_logprobs - logprobs
+        kl = torch.exp(delta) - delta - 1  # k3: unbiased, non-negative estimate of KL(pi_theta || pi_ref)
+        per_token = per_token + args.beta * kl
     loss = masked_mean(per_token, mask)  # DAPO: token-level, 1/sum_i |o_i| sum_i sum_t
     with torch.no_grad():
         is_clipped_low = (ratio < 1 - args.clip_eps_low) & (adv < 0)  # DAPO: each side of the clip range
@@ -286,6 +316,7 @@ def compute_policy_loss(logprobs, old_logprobs, advantages, mask, args: Args):
         is_clipped = is_clipped_low | is_clipped_high
         real = mask.bool()
         stats = {
+            "kl": masked_mean(kl, mask).item(),
             "clip_fraction": masked_mean(is_clipped.float(), mask).item(),
             "clip_fraction_low": masked_mean(is_clipped_low.float(), mask).item(),
             "clip_fraction_high": masked_mean(is_clipped_high.float(), mask).item(),
@@ -327,6 +358,13 @@ def rollouts(model, tokenizer, task: rewards.Task, args: Args, gen_config, eos_i
             completion_mask.sum(1).cpu(), args.max_new_tokens, args.overlong_buffer)  # (B,)
         reward = reward + reward_parts["overlong"]
         yield input_ids, attention_mask, completion_mask, truncated, completions, reward, reward_parts
+
+
+def has_contrast(correctness: torch.Tensor, group_size: int) -> torch.Tensor:
+    """DAPO's dynamic-sampling filter, per group: 0 < |{o_i : o_i is correct}| < G. On the correctness reward alone,
+    so that a format or length bonus cannot make an all-correct (or all-wrong) group look informative."""
+    correct = (correctness.view(-1, group_size) == 1).sum(1)  # (N / G,)
+    return (correct > 0) & (correct < group_size)
 
 
 def concat_rounds(rounds: list[tuple], pad_id: int) -> tuple:
@@ -372,9 +410,13 @@ def main(args: Args) -> None:
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32}.get(args.dtype) or getattr(torch, args.dtype)
-    tokenizer, model = load_model(args.model, dtype, device)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)  # forward passes only
+    tokenizer, model = load_model(args.model, device)  # float32 weights
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    ref_model = None
+    if args.beta > 0:  # frozen copy of the initial policy; none at all when beta == 0
+        ref_model = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)  # in the compute dtype
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
     eos_ids = eos_token_ids(tokenizer, model)
@@ -387,9 +429,16 @@ def main(args: Args) -> None:
     writer = SummaryWriter(f"runs/{run_name}")
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
     print(f"run {run_name} on {device} ({dtype}); TensorBoard: runs/{run_name}")
-    eval_records = task.test[: args.eval_prompts]
+    eval_records, accuracy = task.test[: args.eval_prompts], {}  # accuracy: step -> held-out greedy accuracy
+
+    def log_evaluation(step: int) -> None:
+        with autocast:
+            accuracy[step] = evaluate(model, tokenizer, eval_records, task.correctness, args, eos_ids)
+        writer.add_scalar("charts/eval_accuracy", accuracy[step], step)
+        tqdm.write(f"step {step}: held-out greedy accuracy {accuracy[step]:.3f} on {len(eval_records)} prompts")
+
     if args.eval_every > 0:
-        writer.add_scalar("charts/eval_accuracy", evaluate(model, tokenizer, eval_records, task.correctness, args, eos_ids), 0)
+        log_evaluation(0)
     batches = rollouts(model, tokenizer, task, args, gen_config, eos_ids)
     B = args.num_prompts * args.group_size
     minibatch_size = B // args.num_minibatches
@@ -400,39 +449,45 @@ def main(args: Args) -> None:
         for step in progress:
             step_start = time.time()
             # 1.-3. take num_prompts prompts, sample G completions for each and score them (in `rollouts`)
-            # DAPO: dynamic sampling. Repeat until num_prompts groups have unequal rewards (0 < #correct < G for a
-            # 0/1 reward; equal rewards give A_i = 0, no signal), at most max_sampling_rounds times; N completions
-            rounds = [next(batches)]
-            while (args.dynamic_sampling and len(rounds) < args.max_sampling_rounds and args.num_prompts >
-                   sum((r[5].view(-1, args.group_size).std(1) > 0).sum().item() for r in rounds)):
-                rounds.append(next(batches))
+            # DAPO: dynamic sampling. Repeat until num_prompts groups have 0 < #correct < G, at most
+            # max_sampling_rounds times; N completions
+            with autocast:
+                rounds = [next(batches)]
+                while (args.dynamic_sampling and len(rounds) < args.max_sampling_rounds and args.num_prompts >
+                       sum(has_contrast(r[6]["correctness"], args.group_size).sum().item() for r in rounds)):
+                    rounds.append(next(batches))
             input_ids, attention_mask, completion_mask, truncated, completions, reward, reward_parts = concat_rounds(
                 rounds, tokenizer.pad_token_id)  # (N, P+T), (N, P+T), (N, T), (N,), N, (N,), (N,) each
             T = completion_mask.shape[1]
             sample_seconds = time.time() - step_start
 
-            # 4. group-relative advantages; DAPO: train on the first num_prompts groups with unequal rewards
+            # 4. group-relative advantages; DAPO: train on the first num_prompts groups with 0 < #correct < G
             advantages = compute_advantages(reward, args.group_size).to(device)  # (N,)
             groups = reward.view(-1, args.group_size)  # (N / G, G)
-            keep = groups.std(1) > 0 if args.dynamic_sampling else torch.ones(len(groups), dtype=torch.bool)
+            keep = (has_contrast(reward_parts["correctness"], args.group_size) if args.dynamic_sampling
+                    else torch.ones(len(groups), dtype=torch.bool))  # (N / G,)
             keep &= keep.cumsum(0) <= args.num_prompts
             kept = keep.repeat_interleave(args.group_size).nonzero().squeeze(1)  # (B,) row indices; fewer at the cap
 
-            # 5. old log-probs (skipped when pi_old == pi_theta)
+            # 5. old log-probs (skipped when pi_old == pi_theta) and reference log-probs (only when beta > 0)
             old_logprobs = torch.zeros(len(reward), T, device=device)
-            with torch.no_grad():
+            ref_logprobs = torch.zeros(len(reward), T, device=device)
+            with torch.no_grad(), autocast:
                 for mb in kept.split(args.micro_batch_size):
                     if not reuse_logprobs and len(mb) > 0:
                         old_logprobs[mb] = token_logprobs(model, input_ids[mb], attention_mask[mb], T, args.temperature)[0]
+                    if ref_model is not None and len(mb) > 0:
+                        ref_logprobs[mb] = token_logprobs(ref_model, input_ids[mb], attention_mask[mb], T, args.temperature)[0]
 
             # 6. num_iterations passes, each num_minibatches optimizer steps, each in micro-batches
             train_start, stats = time.time(), []
             for _ in range(args.num_iterations if len(kept) > 0 else 0):  # DAPO: no update when no group has contrast
                 for minibatch in kept[torch.randperm(len(kept))].split(minibatch_size):
                     for mb in minibatch.split(args.micro_batch_size):
-                        logprobs, entropy = token_logprobs(model, input_ids[mb], attention_mask[mb], T, args.temperature)
+                        with autocast:  # the forward pass in the compute dtype; the loss and backward outside it
+                            logprobs, entropy = token_logprobs(model, input_ids[mb], attention_mask[mb], T, args.temperature)
                         old = logprobs.detach() if reuse_logprobs else old_logprobs[mb]
-                        loss, mb_stats = compute_policy_loss(logprobs, old, advantages[mb], completion_mask[mb], args)
+                        loss, mb_stats = compute_policy_loss(logprobs, old, ref_logprobs[mb], advantages[mb], completion_mask[mb], args)
                         # DAPO: weigh each micro-batch by its tokens, so the mini-batch loss is its token mean
                         (loss * completion_mask[mb].sum() / completion_mask[minibatch].sum()).backward()
                         mb_stats.update(policy_loss=loss.item(), entropy=masked_mean(entropy, completion_mask[mb]).item())
@@ -475,7 +530,7 @@ def main(args: Args) -> None:
                 rows = [f"|{reward[i]:.2f}|{json.dumps(completions[i])[:500]}|" for i in range(min(4, B))]
                 writer.add_text("completions", "|reward|completion|\n|-|-|\n" + "\n".join(rows), step)
             if args.eval_every > 0 and (step % args.eval_every == 0 or step == args.steps):
-                writer.add_scalar("charts/eval_accuracy", evaluate(model, tokenizer, eval_records, task.correctness, args, eos_ids), step)
+                log_evaluation(step)
             if args.save_every > 0 and step % args.save_every == 0:
                 save(model, tokenizer, os.path.join(args.output_dir, run_name, f"step_{step}"))
             progress.set_postfix(reward=f"{charts['reward_mean']:.3f}", sec=f"{charts['step_seconds']:.1f}")
@@ -487,6 +542,8 @@ def main(args: Args) -> None:
     save(model, tokenizer, os.path.join(args.output_dir, run_name, "final"))
     writer.close()
     print(f"saved {args.output_dir}/{run_name}/final")
+    if accuracy:
+        print(f"held-out greedy accuracy: {accuracy[0]:.3f} before training -> {accuracy[step]:.3f} after {step} steps")
 
 
 if __name__ == "__main__":

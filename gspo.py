@@ -13,9 +13,18 @@ Run (the default model is SmolLM2-135M-Instruct, the default task built-in arith
     python gspo.py
     python gspo.py --model Qwen/Qwen2.5-0.5B-Instruct --task openai/gsm8k --max-new-tokens 512
 
+Precision: the trained weights, their gradients and the AdamW state are float32 (16 bytes per parameter,
+plus the activations); `--dtype bfloat16` (the CUDA default) runs every forward pass, sampling included, in
+bf16 autocast, and the frozen reference model is a bf16 copy (2 bytes per parameter). An update of lr 1e-5 is
+below bf16's resolution for most weights, so bf16 weights would barely move. Log-probs, the loss and the
+advantages are computed in float32.
+
+Sampling follows exactly the settings in Args (temperature, top-p, no top-k, nothing else): the model's own
+saved generation_config is replaced by a neutral one, so nothing such as a repetition penalty is merged in,
+and the sampled tokens come from the softmax(logits / temperature) that the loss assumes.
+
 Deliberate simplifications, each to keep the file readable:
   - one process, one device: no data parallelism, no vLLM sampler (sampling is `model.generate`);
-  - the weights are trained in the dtype they are loaded in (bf16 on GPU) rather than fp32 masters;
   - the std in A_i is the sample std of the group (as TRL and verl compute it).
 """
 
@@ -33,7 +42,7 @@ import torch
 import tyro
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import rewards
 
@@ -49,9 +58,9 @@ class Args:
     """seed of the sampler, the prompt order and torch"""
     steps: int = 20
     """number of training steps (one batch of prompts is sampled per step)"""
-    eval_every: int = 10
+    eval_every: int = 5
     """measure held-out accuracy every this many steps (and before the first step); 0 to disable"""
-    eval_prompts: int = 32
+    eval_prompts: int = 64
     """number of held-out prompts scored, greedily, at each evaluation"""
     save_every: int = 0
     """save a checkpoint every this many steps (0: only at the end)"""
@@ -63,14 +72,15 @@ class Args:
     # model and data
     model: str = DEFAULT_MODEL
     """Hub id, local save_pretrained folder, or .gguf file of a causal LM"""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """weights dtype; auto = bfloat16 on CUDA, float32 on CPU"""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """compute dtype of the forward passes (autocast; weights and optimizer state stay float32); auto = bfloat16
+    on CUDA, float32 on CPU"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     task: str = "arithmetic"
     """built-in task (arithmetic, countdown), a .jsonl file, or a Hub dataset id (e.g. openai/gsm8k)"""
     difficulty: int = 1
-    """difficulty of a built-in task: 1, 2 or 3"""
+    """difficulty of a built-in task: 1 (a + b, numbers 0..20) to 4 (arithmetic: (a op b) op c, numbers 0..99)"""
     prompt_field: str = "prompt"
     """field holding the prompt in a .jsonl or Hub dataset"""
     answer_field: str = "answer"
@@ -90,7 +100,8 @@ class Args:
     temperature: float = 0.7
     """sampling temperature; log-probs are computed from logits / temperature too"""
     top_p: float = 1.0
-    """nucleus sampling threshold"""
+    """nucleus sampling threshold; below 1 the tokens come from a truncated distribution that the log-probs
+    (full softmax) do not describe, so the ratios and the KL are biased"""
 
     # optimisation
     learning_rate: float = 1e-5
@@ -149,25 +160,34 @@ def resolve_model(name: str) -> str:
     return os.path.expanduser(name)
 
 
-def load_model(name: str, dtype: torch.dtype, device: torch.device):
-    """Tokenizer and causal LM from a Hub id, a save_pretrained folder or a .gguf file."""
+def load_model(name: str, device: torch.device):
+    """Tokenizer and causal LM, with float32 weights, from a Hub id, a save_pretrained folder or a .gguf file."""
     path = resolve_model(name)
     kwargs = {}
     if path.endswith(".gguf"):
         path, kwargs["gguf_file"] = os.path.split(os.path.abspath(path))
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    config = AutoConfig.from_pretrained(path, **kwargs)
+    for key, value in config.to_dict().items():  # no dropout (as in TRL): a sequence's log-probs must not change
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):  # between passes; Llama and Qwen2
+            setattr(config, key, 0.0)  # attention read config.attention_dropout itself in train mode
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32, **kwargs)
     if "gguf_file" in kwargs:  # rebuild without the GGUF quantization config so save_pretrained works
         del model.config.quantization_config
-        plain = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
+        plain = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
         plain.load_state_dict(model.state_dict())
         model = plain
     tokenizer.padding_side = "left"  # generation appends on the right
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    for module in model.modules():  # no dropout (as in TRL): a sequence's log-probs must not change between passes
+    for module in model.modules():  # and modules whose dropout is not in the config
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+    # a neutral generation config: `generate` would otherwise merge the checkpoint's (repetition_penalty, top_k, and
+    # with transformers 4.5x its do_sample and top_p over ours where ours equal the library defaults)
+    model.generation_config = GenerationConfig(bos_token_id=model.generation_config.bos_token_id,
+                                               eos_token_id=model.generation_config.eos_token_id,
+                                               pad_token_id=tokenizer.pad_token_id)
     return tokenizer, model.to(device).train()  # train mode: HF checkpoints activations (--gradient-checkpointing) only in it
 
 
@@ -342,12 +362,13 @@ def main(args: Args) -> None:
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32}.get(args.dtype) or getattr(torch, args.dtype)
-    tokenizer, model = load_model(args.model, dtype, device)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)  # forward passes only
+    tokenizer, model = load_model(args.model, device)  # float32 weights
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     ref_model = None
     if args.beta > 0:  # frozen copy of the initial policy; none at all when beta == 0
-        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        ref_model = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)  # in the compute dtype
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
     eos_ids = eos_token_ids(tokenizer, model)
@@ -360,9 +381,16 @@ def main(args: Args) -> None:
     writer = SummaryWriter(f"runs/{run_name}")
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
     print(f"run {run_name} on {device} ({dtype}); TensorBoard: runs/{run_name}")
-    eval_records = task.test[: args.eval_prompts]
+    eval_records, accuracy = task.test[: args.eval_prompts], {}  # accuracy: step -> held-out greedy accuracy
+
+    def log_evaluation(step: int) -> None:
+        with autocast:
+            accuracy[step] = evaluate(model, tokenizer, eval_records, task.correctness, args, eos_ids)
+        writer.add_scalar("charts/eval_accuracy", accuracy[step], step)
+        tqdm.write(f"step {step}: held-out greedy accuracy {accuracy[step]:.3f} on {len(eval_records)} prompts")
+
     if args.eval_every > 0:
-        writer.add_scalar("charts/eval_accuracy", evaluate(model, tokenizer, eval_records, task.correctness, args, eos_ids), 0)
+        log_evaluation(0)
     batches = rollouts(model, tokenizer, task, args, gen_config, eos_ids)
     B = args.num_prompts * args.group_size
     minibatch_size = B // args.num_minibatches
@@ -373,7 +401,8 @@ def main(args: Args) -> None:
         for step in progress:
             step_start = time.time()
             # 1.-3. take num_prompts prompts, sample G completions for each and score them (in `rollouts`)
-            input_ids, attention_mask, completion_mask, truncated, completions, reward, reward_parts = next(batches)
+            with autocast:
+                input_ids, attention_mask, completion_mask, truncated, completions, reward, reward_parts = next(batches)
             T = completion_mask.shape[1]
             sample_seconds = time.time() - step_start
 
@@ -383,7 +412,7 @@ def main(args: Args) -> None:
             # 5. old log-probs (skipped when pi_old == pi_theta) and reference log-probs (only when beta > 0)
             old_logprobs = torch.zeros(B, T, device=device)
             ref_logprobs = torch.zeros(B, T, device=device)
-            with torch.no_grad():
+            with torch.no_grad(), autocast:
                 for mb in torch.arange(B).split(args.micro_batch_size):
                     if not reuse_logprobs:
                         old_logprobs[mb] = token_logprobs(model, input_ids[mb], attention_mask[mb], T, args.temperature)[0]
@@ -395,7 +424,8 @@ def main(args: Args) -> None:
             for _ in range(args.num_iterations):
                 for minibatch in torch.randperm(B).split(minibatch_size):
                     for mb in minibatch.split(args.micro_batch_size):
-                        logprobs, entropy = token_logprobs(model, input_ids[mb], attention_mask[mb], T, args.temperature)
+                        with autocast:  # the forward pass in the compute dtype; the loss and backward outside it
+                            logprobs, entropy = token_logprobs(model, input_ids[mb], attention_mask[mb], T, args.temperature)
                         old = logprobs.detach() if reuse_logprobs else old_logprobs[mb]
                         loss, mb_stats = compute_policy_loss(logprobs, old, ref_logprobs[mb], advantages[mb],
                                                              completion_mask[mb], args)
@@ -438,7 +468,7 @@ def main(args: Args) -> None:
                 rows = [f"|{reward[i]:.2f}|{json.dumps(completions[i])[:500]}|" for i in range(min(4, B))]
                 writer.add_text("completions", "|reward|completion|\n|-|-|\n" + "\n".join(rows), step)
             if args.eval_every > 0 and (step % args.eval_every == 0 or step == args.steps):
-                writer.add_scalar("charts/eval_accuracy", evaluate(model, tokenizer, eval_records, task.correctness, args, eos_ids), step)
+                log_evaluation(step)
             if args.save_every > 0 and step % args.save_every == 0:
                 save(model, tokenizer, os.path.join(args.output_dir, run_name, f"step_{step}"))
             progress.set_postfix(reward=f"{charts['reward_mean']:.3f}", sec=f"{charts['step_seconds']:.1f}")
@@ -450,6 +480,8 @@ def main(args: Args) -> None:
     save(model, tokenizer, os.path.join(args.output_dir, run_name, "final"))
     writer.close()
     print(f"saved {args.output_dir}/{run_name}/final")
+    if accuracy:
+        print(f"held-out greedy accuracy: {accuracy[0]:.3f} before training -> {accuracy[step]:.3f} after {step} steps")
 
 
 if __name__ == "__main__":

@@ -22,22 +22,28 @@ ANSWER_INSTRUCTION = "Put your final answer in \\boxed{}."
 MAX_NUMBER_CHARS = 40  # longer "numbers" are never a valid answer; also keeps Fraction() cheap
 MAX_EXPRESSION_CHARS = 200  # countdown: the longest expression the parser will look at
 NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+PLAIN_NUMBER_RE = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?")  # 12, -0.5, .5, 3/4: no exponent, no '_'
+BRACE_RE = re.compile(r"\\boxed\{|\{|\}")
 
 
 # ----------------------------------------------------------------------------- answer extraction
 def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}`, with nested braces; None if there is none or it is unclosed."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 1, start + len("\\boxed{")
-    for j in range(i, len(text)):  # one linear scan from the last opening: bounded by len(text)
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i:j]
+    """Content of the last non-empty `\\boxed{...}`, with nested braces; None if there is none.
+
+    Empty boxes are skipped: small models often end by copying the instruction's `\\boxed{}`, which must not
+    hide the answer they wrote before it. One regex scan over the braces, so linear in len(text)."""
+    boxes, open_braces = [], []  # (start, end) of each closed box's content; one (start, is_box) per open brace
+    for match in BRACE_RE.finditer(text):
+        if match.group() == "}":
+            if open_braces:
+                start, is_box = open_braces.pop()
+                if is_box:
+                    boxes.append((start, match.start()))
+        else:
+            open_braces.append((match.end(), match.group() != "{"))
+    for start, end in sorted(boxes, reverse=True):  # the last opened first
+        if text[start:end].strip():
+            return text[start:end]
     return None
 
 
@@ -57,24 +63,29 @@ def stated_answer(text: str) -> str | None:
 
 
 def extract_answer(text: str) -> str | None:
-    """The final answer of a completion: `\\boxed{}`, else an `<answer>` tag, else the last number."""
+    """The final answer of a completion: `\\boxed{}`, else an `<answer>` tag, else the last number.
+
+    A stated answer of the form `expr = value` (`\\boxed{20 + 23 = 43}`) is its value, the part after the last '='."""
     found = stated_answer(text)
     if found is not None:
-        return found.strip()
+        return found.rsplit("=", 1)[-1].strip()
     numbers = NUMBER_RE.findall(text)
     return numbers[-1] if numbers else None
 
 
 def parse_number(text: str | None) -> Fraction | None:
-    """`12`, `12.0`, `1,200`, `$5`, `3/4`, `-0.5` -> an exact Fraction; anything else -> None."""
+    """`12`, `12.0`, `1,200`, `$5`, `3/4`, `-0.5` -> an exact Fraction; anything else -> None.
+
+    Only plain integers, decimals and fractions reach `Fraction`: `1e999999999` would make it build a
+    billion-digit integer (a hang or a MemoryError inside the reward)."""
     if text is None:
         return None
     text = text.strip().strip("$").replace(",", "").replace(" ", "").rstrip(".")
-    if not text or len(text) > MAX_NUMBER_CHARS:
+    if len(text) > MAX_NUMBER_CHARS or not PLAIN_NUMBER_RE.fullmatch(text):
         return None
     try:
         return Fraction(text)
-    except (ValueError, ZeroDivisionError):
+    except ZeroDivisionError:  # 3/0
         return None
 
 
@@ -189,11 +200,12 @@ BUILTIN_SIZES = (5000, 200)  # train and test records of a built-in task
 
 
 def make_arithmetic(rng: random.Random, difficulty: int) -> dict:
-    """An integer arithmetic question: 1 = a + b; 2 = a op b; 3 = (a op b) op c; numbers 0..99."""
-    a, b, c = (rng.randint(0, 99) for _ in range(3))
-    ops = "+" if difficulty == 1 else "+-*"
+    """An integer arithmetic question: 1 = a + b with numbers 0..20 (441 distinct, learnable by a 135M model on a
+    CPU in minutes); 2 = a + b; 3 = a op b; 4 = (a op b) op c, with numbers 0..99."""
+    a, b, c = (rng.randint(0, 20 if difficulty == 1 else 99) for _ in range(3))
+    ops = "+" if difficulty <= 2 else "+-*"
     expr = f"{a} {rng.choice(ops)} {b}"
-    if difficulty >= 3:
+    if difficulty >= 4:
         expr = f"({expr}) {rng.choice(ops)} {c}"
     value = evaluate_expression(expr)[0]
     return {"prompt": f"What is {expr}? {ANSWER_INSTRUCTION}", "answer": str(value.numerator)}
@@ -223,14 +235,14 @@ def builtin_task(name: str, difficulty: int, seed: int = 0) -> Task:
     """Distinct records from a fixed seed, so every run sees the same train and test splits."""
     make = make_arithmetic if name == "arithmetic" else make_countdown
     rng, records, seen = random.Random(seed), [], set()
-    for _ in range(100 * sum(BUILTIN_SIZES)):  # bounded: small difficulties have few distinct records
+    for _ in range(20 * sum(BUILTIN_SIZES)):  # bounded: small difficulties have few distinct records
         record = make(rng, difficulty)
         if record["prompt"] not in seen:
             seen.add(record["prompt"])
             records.append(record)
         if len(records) == sum(BUILTIN_SIZES):
             break
-    n_test = min(BUILTIN_SIZES[1], len(records) // 10)
+    n_test = min(BUILTIN_SIZES[1], len(records) // 4)  # a quarter, at most 200: 110 of difficulty 1's 441
     return Task(records[n_test:], records[:n_test], countdown_reward if name == "countdown" else correctness_reward)
 
 
@@ -249,13 +261,20 @@ def normalise_records(rows: list[dict], prompt_field: str, answer_field: str, so
     return records
 
 
+def hold_out(records: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Train and test splits of one list: the last 10% (at least one record) is held out."""
+    n_test = max(1, len(records) // 10)
+    return records[:-n_test], records[-n_test:]
+
+
 def load_task(
     task: str, difficulty: int = 1, prompt_field: str = "prompt", answer_field: str = "answer"
 ) -> Task:
-    """Resolve `--task`: a built-in name, a `.jsonl` path (last 10% held out), or a Hub dataset id."""
+    """Resolve `--task`: a built-in name, a `.jsonl` path (last 10% held out), or a Hub dataset id (its test split,
+    or else the last 10% of its train split held out)."""
     if task in BUILTIN_TASKS:
-        if not 1 <= difficulty <= 3:
-            raise ValueError(f"--difficulty must be 1, 2 or 3, got {difficulty}")
+        if not 1 <= difficulty <= 4:
+            raise ValueError(f"--difficulty must be 1, 2, 3 or 4, got {difficulty}")
         return builtin_task(task, difficulty)
     if task.endswith(".jsonl"):
         if not os.path.isfile(task):
@@ -265,8 +284,7 @@ def load_task(
         records = normalise_records(rows, prompt_field, answer_field, task)
         if len(records) < 2:
             raise ValueError(f"--task {task}: needs at least 2 records, found {len(records)}")
-        n_test = max(1, len(records) // 10)
-        return Task(records[:-n_test], records[-n_test:])
+        return Task(*hold_out(records))
     if "/" not in task:
         raise ValueError(f"--task {task!r}: not one of {BUILTIN_TASKS}, a .jsonl file or a Hub dataset id")
     try:
@@ -276,8 +294,11 @@ def load_task(
     ds = datasets.load_dataset(task, "main" if task == "openai/gsm8k" else None)
     if prompt_field not in ds["train"].column_names and "question" in ds["train"].column_names:
         prompt_field = "question"  # GSM8K and most QA sets
-    test_split = "test" if "test" in ds else "train"
-    train, test = (normalise_records(list(ds[s]), prompt_field, answer_field, task) for s in ("train", test_split))
+    train = normalise_records(list(ds["train"]), prompt_field, answer_field, task)
+    if "test" in ds:
+        test = normalise_records(list(ds["test"]), prompt_field, answer_field, task)
+    else:  # no test split: hold out the end of train, never evaluate on what is trained on
+        train, test = hold_out(train)
     for record in train + test:  # tell the model where the graded answer goes
         if isinstance(record["prompt"], str):
             record["prompt"] = f"{record['prompt']}\n{ANSWER_INSTRUCTION}"

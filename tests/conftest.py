@@ -63,3 +63,20 @@ def read_run(cwd: str) -> tuple[dict[str, list[tuple[int, float]]], dict[str, li
     scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
     texts = {tag: [e.tensor_proto.string_val[0].decode() for e in events.Tensors(tag)] for tag in events.Tags()["tensors"]}
     return scalars, texts
+
+
+class ScriptedRewards:
+    """Stands in for a script's `score`: the n-th call returns the n-th list of correctness scores (plus 0.2 times the
+    n-th list of format scores, when given), then repeats the last one."""
+
+    def __init__(self, correct: list[list[float]], formats: list[list[float]] | None = None):
+        self.correct, self.formats, self.calls = correct, formats, 0
+
+    def __call__(self, completions, answers, task, weights):
+        pick = min(self.calls, len(self.correct) - 1)
+        parts = {"correctness": torch.tensor(self.correct[pick], dtype=torch.float)}
+        if self.formats is not None:
+            parts["format"] = torch.tensor(self.formats[pick], dtype=torch.float)
+        assert all(len(part) == len(completions) for part in parts.values())
+        self.calls += 1
+        return parts["correctness"] + 0.2 * parts.get("format", 0.0), parts

@@ -80,6 +80,8 @@ def test_two_step_run_logs_metrics_and_saves_a_loadable_checkpoint(script, tiny_
         assert all(torch.isfinite(torch.tensor(v)) for _, v in scalars[tag])
     assert [s for s, _ in scalars["charts/reward_mean"]] == [1, 2]
     assert [s for s, _ in scalars["charts/eval_accuracy"]] == [0, 1, 2]
+    first, last = scalars["charts/eval_accuracy"][0][1], scalars["charts/eval_accuracy"][-1][1]
+    assert f"held-out greedy accuracy: {first:.3f} before training -> {last:.3f} after 2 steps" in result.stdout
     assert "|num_prompts|4|" in texts["hyperparameters/text_summary"][0]
     assert "|reward|completion|" in texts["completions/text_summary"][0]
     (final,) = glob.glob(str(tmp_path / "ckpt" / "*" / "final"))

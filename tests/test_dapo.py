@@ -6,14 +6,14 @@ import glob
 import pytest
 import torch
 import tyro
-from conftest import read_run
+from conftest import ScriptedRewards, read_run
 from transformers import AutoModelForCausalLM
 
 import dapo
 
 
 def loss_of(logprobs, old, advantages, mask, **overrides):
-    return dapo.compute_policy_loss(logprobs, old, advantages, mask, dapo.Args(**overrides))
+    return dapo.compute_policy_loss(logprobs, old, torch.zeros_like(logprobs), advantages, mask, dapo.Args(**overrides))
 
 
 def test_every_token_of_200_and_10_token_completions_weighs_1_over_210():
@@ -85,28 +85,15 @@ def test_token_weighted_micro_batches_give_the_gradient_of_the_whole_batch():
     assert not torch.allclose(by_samples, whole, atol=1e-3)
 
 
-class ScriptedRewards:
-    """Stands in for dapo.score: the n-th call returns the n-th list of rewards, then repeats the last one."""
-
-    def __init__(self, rounds):
-        self.rounds, self.calls = rounds, 0
-
-    def __call__(self, completions, answers, task, weights):
-        reward = torch.tensor(self.rounds[min(self.calls, len(self.rounds) - 1)], dtype=torch.float)
-        assert len(reward) == len(completions)
-        self.calls += 1
-        return reward, {"correctness": reward}
-
-
-def run_main(tmp_path, monkeypatch, tiny_model, copy_task, rewards, *argv):
+def run_main(tmp_path, monkeypatch, tiny_model, copy_task, rewards, *argv, formats=None):
     """dapo.main with a scripted reward, 2 prompts x 4 completions; returns its scalars, the advantages it trained
     on and the final weights."""
-    monkeypatch.setattr(dapo, "score", ScriptedRewards(rewards))
+    monkeypatch.setattr(dapo, "score", ScriptedRewards(rewards, formats))
     trained, compute_policy_loss = [], dapo.compute_policy_loss
 
-    def recording_policy_loss(logprobs, old_logprobs, advantages, mask, args):  # notes the advantages trained on
+    def recording_policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args):  # notes the advantages
         trained.append(advantages)
-        return compute_policy_loss(logprobs, old_logprobs, advantages, mask, args)
+        return compute_policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args)
 
     monkeypatch.setattr(dapo, "compute_policy_loss", recording_policy_loss)
     monkeypatch.chdir(tmp_path)
@@ -150,3 +137,22 @@ def test_without_dynamic_sampling_every_group_is_trained_on(tmp_path, monkeypatc
     assert scalars["charts/sampling_rounds"] == [(1, 1.0)] and scalars["charts/kept_groups"] == [(1, 2.0)]
     assert scalars["charts/filtered_fraction"] == [(1, 0.0)]
     assert len(trained) == 8 and (trained == 0).sum() == 4  # the all-correct group is in the batch, with A = 0
+
+
+def test_dynamic_sampling_filters_on_correctness_not_on_the_total_reward(tmp_path, monkeypatch, tiny_model, copy_task):
+    """DAPO keeps a group when 0 < #correct < G. A format bonus that differs inside an all-correct (or all-wrong)
+    group makes the total reward vary, but the group still teaches nothing about correctness."""
+    correct = [[1, 1, 1, 1, 0, 0, 0, 0],  # round 1: all correct, then all wrong
+               [1, 0, 0, 0, 0, 1, 1, 0]]  # round 2: two groups with contrast
+    formats = [[1, 1, 1, 0, 1, 0, 1, 0],  # round 1: the total reward varies inside both groups
+               [1, 1, 1, 1, 1, 1, 1, 1]]
+    scalars, trained, _ = run_main(tmp_path, monkeypatch, tiny_model, copy_task, correct, "--steps", "1",
+                                   formats=formats)
+    assert scalars["charts/sampling_rounds"] == [(1, 2.0)] and scalars["charts/kept_groups"] == [(1, 2.0)]
+    kept = dapo.compute_advantages(torch.tensor(correct[1], dtype=torch.float) + 0.2, 4)  # round 2's groups only
+    assert sorted(trained.tolist()) == pytest.approx(sorted(kept.tolist()))
+
+
+def test_has_contrast_counts_correct_completions():
+    correctness = torch.tensor([1.0, 1, 1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 1, 1])
+    assert dapo.has_contrast(correctness, 4).tolist() == [False, False, True, True]

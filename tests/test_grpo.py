@@ -149,7 +149,7 @@ def test_gradient_checkpointing_recomputes_the_forward_in_the_backward_pass(tiny
     ids, attention = torch.tensor([[5, 6, 7, 8]]), torch.ones(1, 4, dtype=torch.long)
     forwards = []
     for checkpointing in (False, True):
-        _, model = grpo.load_model(tiny_model, torch.float32, torch.device("cpu"))
+        _, model = grpo.load_model(tiny_model, torch.device("cpu"))
         if checkpointing:
             model.gradient_checkpointing_enable()
         calls = []  # the attention's pre-hook runs again when the layer is recomputed
@@ -167,7 +167,7 @@ def test_dropout_is_off_so_log_probs_repeat(tiny_model, tmp_path):
     torch.manual_seed(0)
     GPT2LMHeadModel(config).save_pretrained(tmp_path)
     AutoTokenizer.from_pretrained(tiny_model).save_pretrained(tmp_path)
-    _, model = grpo.load_model(str(tmp_path), torch.float32, torch.device("cpu"))
+    _, model = grpo.load_model(str(tmp_path), torch.device("cpu"))
     assert model.training
     ids, attention = torch.tensor([[5, 6, 7, 8, 9]]), torch.ones(1, 5, dtype=torch.long)
     first, _ = grpo.token_logprobs(model, ids, attention, 3, 1.0)

@@ -1,5 +1,7 @@
 import itertools
+import sys
 import time
+import types
 from fractions import Fraction
 
 import pytest
@@ -7,10 +9,10 @@ import pytest
 import rewards
 
 
-@pytest.mark.parametrize("difficulty", [1, 2, 3])
-def test_arithmetic_answers_match_their_questions(difficulty):
+@pytest.mark.parametrize("difficulty, sizes", [(1, (331, 110)), (2, (5000, 200)), (3, (5000, 200)), (4, (5000, 200))])
+def test_arithmetic_answers_match_their_questions(difficulty, sizes):
     task = rewards.load_task("arithmetic", difficulty)
-    assert len(task.train) == 5000 and len(task.test) == 200
+    assert (len(task.train), len(task.test)) == sizes  # difficulty 1 has 21 x 21 = 441 distinct questions, a quarter held out
     train_prompts = {r["prompt"] for r in task.train}
     assert not train_prompts & {r["prompt"] for r in task.test}  # disjoint splits
     for record in task.train[:500] + task.test:
@@ -61,6 +63,10 @@ def test_countdown_reward_rules():
         ("first 3, then 1,200 apples", "1,200"),
         ("no numbers here", None),
         ("\\boxed{12", "12"),  # unclosed box: falls back to the last number
+        ("\\boxed{20 + 23 = 43}", "43"),  # `expr = value`: the value
+        ("<answer>3 * 4 = 12</answer>", "12"),
+        ("78 + 84 = 152\n\nThe answer is \\boxed{}.", "152"),  # the copied empty box hides nothing
+        ("\\boxed{7} and then \\boxed{ }", "7"),  # the last non-empty box
     ],
 )
 def test_extract_answer(text, expected):
@@ -71,18 +77,20 @@ def test_extract_answer(text, expected):
     "completion, answer, expected",
     [("\\boxed{12.0}", "12", 1.0), ("1,200", "1200", 1.0), ("\\boxed{$5}", "5", 1.0), ("\\\\boxed{3/4}", "0.75", 1.0),
      ("-7", "-7", 1.0), ("\\boxed{13}", "12", 0.0), ("12 or 13", "12", 0.0), ("", "12", 0.0),
-     ("\\boxed{yes}", "yes", 1.0)],
+     ("\\boxed{yes}", "yes", 1.0), ("\\boxed{20 + 23 = 43}", "43", 1.0), ("\\boxed{20 + 23 = 44}", "43", 0.0),
+     ("20 + 23 = 43. The answer is \\boxed{}.", "43", 1.0), ("\\boxed{43 = 20 + 23}", "43", 0.0)],
 )
 def test_correctness_reward_numeric_equivalence(completion, answer, expected):
     assert rewards.correctness_reward([completion], [answer]) == [expected]
 
 
 def test_format_reward():
-    texts = ["\\boxed{3}", "<answer>3</answer>", "3", "\\boxed{3", "\\boxed{}", "<answer> </answer>", "\\boxed{x}"]
-    assert rewards.format_reward(texts, ["3"] * 7) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    texts = ["\\boxed{3}", "<answer>3</answer>", "3", "\\boxed{3", "\\boxed{}", "<answer> </answer>", "\\boxed{x}",
+             "\\boxed{3} then \\boxed{}"]
+    assert rewards.format_reward(texts, ["3"] * 8) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
 
 
-HOSTILE = ["9" * 1_000_000, "{" * 1_000_000, "\\boxed{" * 200_000, "\\boxed{" + "{" * 1_000_000 + "1",
+HOSTILE = ["\\boxed{}" * 200_000, "\\boxed{{}" * 100_000, "9" * 1_000_000, "{" * 1_000_000, "\\boxed{" * 200_000, "\\boxed{" + "{" * 1_000_000 + "1",
            "(" * 1_000_000, "<answer>" * 200_000, "1," * 500_000, "1." * 500_000, "\\boxed{" + "(" * 150 + "1"]
 
 
@@ -99,6 +107,39 @@ def test_rewards_never_raise_and_stay_fast_on_hostile_strings(text):
 def test_parse_number_rejects_huge_numbers():
     assert rewards.parse_number("9" * 41) is None
     assert rewards.parse_number("1,234.5") == Fraction(2469, 2)
+
+
+@pytest.mark.parametrize("text", ["1e999999999", "1E999999999", "-1e-999999999", "1_000", "1/0", "nan", "inf",
+                                  "0x10", "1e5"])
+def test_parse_number_accepts_only_plain_numbers(text):
+    """`Fraction("1e999999999")` builds a billion-digit integer (a hang or a MemoryError inside the reward):
+    exponents never reach it; nor do underscores, hex or special values."""
+    start = time.perf_counter()
+    assert rewards.parse_number(text) is None
+    assert rewards.correctness_reward([f"\\boxed{{{text}}}"], ["10"]) == [0.0]
+    assert time.perf_counter() - start < 1.0
+
+
+@pytest.mark.parametrize("text, value", [("12", 12), ("-0.5", Fraction(-1, 2)), (".5", Fraction(1, 2)),
+                                         ("3/4", Fraction(3, 4)), ("$1,200.", 1200), ("7.", 7), (" 4 2 ", 42)])
+def test_parse_number_plain_forms(text, value):
+    assert rewards.parse_number(text) == value
+
+
+def test_hub_dataset_without_a_test_split_holds_out_part_of_train(monkeypatch):
+    """A Hub dataset with only a train split must not be evaluated on what it trains on."""
+
+    class Split(list):
+        column_names = ["question", "answer"]
+
+    fake = types.ModuleType("datasets")
+    fake.load_dataset = lambda name, config=None: {"train": Split({"question": f"q{i}", "answer": str(i)}
+                                                                  for i in range(30))}
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    task = rewards.load_task("someone/train-only")
+    assert len(task.train) == 27 and len(task.test) == 3
+    assert not {r["answer"] for r in task.train} & {r["answer"] for r in task.test}
+    assert task.test[0]["prompt"] == f"q27\n{rewards.ANSWER_INSTRUCTION}"
 
 
 def test_jsonl_task(tmp_path):

@@ -1,0 +1,94 @@
+"""The code the four scripts share, tested in each: sampling exactly as Args say, float32 weights under bf16
+compute, no dropout, and one `compute_policy_loss` signature."""
+
+import glob
+import importlib
+import inspect
+import os
+
+import pytest
+import torch
+import tyro
+from conftest import ScriptedRewards
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+MODULES = [importlib.import_module(name) for name in ("grpo", "gspo", "dapo", "ppo")]
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def model_with_generation_config(tiny_model, tmp_path_factory) -> str:
+    """The tiny model, saved with a generation config that would change sampling if it were merged in."""
+    path = str(tmp_path_factory.mktemp("generation_config_model"))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    model.generation_config = GenerationConfig(do_sample=True, temperature=3.0, top_k=3, top_p=0.5,
+                                               repetition_penalty=5.0, no_repeat_ngram_size=1, max_new_tokens=2,
+                                               bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+def test_greedy_sampling_ignores_the_checkpoints_generation_config(module, model_with_generation_config):
+    """Greedy `sample()` must give the argmax of the model's own distribution at every position: no repetition
+    penalty, no n-gram ban, no do_sample or length limit merged in from the saved generation_config.json."""
+    tokenizer, model = module.load_model(model_with_generation_config, CPU)
+    eos_ids = module.eos_token_ids(tokenizer, model)
+    greedy = GenerationConfig(do_sample=False, max_new_tokens=12, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=eos_ids)
+    prompts = [tokenizer("12+3=").input_ids, tokenizer("7").input_ids]
+    torch.manual_seed(0)
+    out, attention_mask, completion_mask, _ = module.sample(model, tokenizer, prompts, 2, greedy, eos_ids)
+    T = completion_mask.shape[1]
+    assert T == 12 or not completion_mask.all()  # no max_new_tokens=2 from the saved config
+    with torch.no_grad():
+        logprobs, _ = module.token_logprobs(model, out, attention_mask, T, 1.0)  # (B, T)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=out, attention_mask=attention_mask, position_ids=position_ids).logits[:, -T - 1 : -1]
+    best = torch.log_softmax(logits.float(), -1).max(-1).values  # (B, T)
+    real = completion_mask.bool()
+    assert torch.allclose(logprobs[real], best[real], atol=1e-5)  # every sampled token is the argmax
+    assert torch.equal(out[0], out[1])  # greedy: the two copies of a prompt agree
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+def test_config_dropout_is_off_so_log_probs_repeat(module, tiny_model, tmp_path):
+    """Llama's attention reads config.attention_dropout itself in train mode (no nn.Dropout module to switch off)."""
+    config = LlamaConfig(vocab_size=21, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, max_position_embeddings=64, attention_dropout=0.5)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(tmp_path)
+    _, model = module.load_model(str(tmp_path), CPU)
+    assert model.training
+    ids, attention = torch.tensor([[5, 6, 7, 8, 9, 10, 11]]), torch.ones(1, 7, dtype=torch.long)
+    first, _ = module.token_logprobs(model, ids, attention, 5, 1.0)
+    second, _ = module.token_logprobs(model, ids, attention, 5, 1.0)
+    assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+def test_bfloat16_compute_trains_float32_weights_that_move(module, tiny_model, copy_task, tmp_path, monkeypatch):
+    """--dtype bfloat16: one AdamW step at lr 1e-5 must change most weights. In bf16 weights such a step is below the
+    resolution of nearly every entry (|w| > ~3e-3), so bf16 weights would not move at all."""
+    monkeypatch.setattr(module, "score", ScriptedRewards([[1, 0, 0, 1, 0, 1, 1, 0]]))  # contrast in both groups
+    monkeypatch.chdir(tmp_path)
+    argv = ["--model", tiny_model, "--task", copy_task, "--dtype", "bfloat16", "--steps", "1", "--learning-rate",
+            "1e-5", "--eval-every", "0", "--num-prompts", "2", "--group-size", "4", "--num-minibatches", "1",
+            "--max-new-tokens", "4", "--output-dir", "ckpt"]
+    argv += ["--overlong-buffer", "0"] if module.__name__ == "dapo" else []
+    module.main(tyro.cli(module.Args, args=argv))
+    (final,) = glob.glob(os.path.join("ckpt", "*", "final"))
+    trained = AutoModelForCausalLM.from_pretrained(final, dtype="auto").state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    changed = sum((trained[k] != v).sum().item() for k, v in initial.items())
+    total = sum(v.numel() for v in initial.values())
+    assert all(v.dtype == torch.float32 for v in trained.values())
+    assert changed / total > 0.5, f"{changed / total:.1%} of the entries changed"
+
+
+def test_every_script_shares_compute_policy_loss_signature():
+    signatures = {m.__name__: list(inspect.signature(m.compute_policy_loss).parameters) for m in MODULES}
+    assert all(s == ["logprobs", "old_logprobs", "ref_logprobs", "advantages", "mask", "args"]
+               for s in signatures.values()), signatures
