@@ -108,7 +108,7 @@ class Args:
     (full softmax) do not describe, so the ratios and the KL are biased"""
 
     # optimisation
-    learning_rate: float = 1e-5
+    learning_rate: float = 2e-5
     """AdamW learning rate"""
     warmup_steps: int = 0
     """linear learning-rate warm-up over this many steps"""

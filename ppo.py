@@ -113,7 +113,7 @@ class Args:
     (full softmax) do not describe, so the ratios and the KL are biased"""
 
     # optimisation
-    learning_rate: float = 1e-5
+    learning_rate: float = 2e-5
     """AdamW learning rate"""
     critic_learning_rate: float = 1e-4
     """PPO: AdamW learning rate of the critic (its own parameter group)"""
