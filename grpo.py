@@ -107,6 +107,8 @@ class Args:
     """AdamW learning rate"""
     warmup_steps: int = 0
     """linear learning-rate warm-up over this many steps"""
+    lr_schedule: Literal["linear", "constant"] = "linear"
+    """after the warm-up: "linear" decays the learning rate to 0 at the end of the run (TRL's default), "constant" keeps it"""
     num_iterations: int = 1
     """passes (mu) over each sampled batch"""
     num_minibatches: int = 1
@@ -361,7 +363,8 @@ def main(args: Args) -> None:
     if args.beta > 0:  # frozen copy of the initial policy; none at all when beta == 0
         ref_model = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)  # in the compute dtype
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
+    decay = (lambda s: 1 - s / args.steps) if args.lr_schedule == "linear" else (lambda s: 1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)) * decay(s))
     eos_ids = eos_token_ids(tokenizer, model)
     gen_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0,
                                   max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,

@@ -119,6 +119,8 @@ class Args:
     """PPO: AdamW learning rate of the critic (its own parameter group)"""
     warmup_steps: int = 0
     """linear learning-rate warm-up over this many steps"""
+    lr_schedule: Literal["linear", "constant"] = "linear"
+    """after the warm-up: "linear" decays the learning rate to 0 at the end of the run (TRL's default), "constant" keeps it"""
     num_iterations: int = 1
     """passes (mu) over each sampled batch"""
     num_minibatches: int = 2
@@ -446,7 +448,8 @@ def main(args: Args) -> None:
     critic = Critic(model)  # PPO: the value model, initialised from the policy
     optimizer = torch.optim.AdamW([{"params": model.parameters()},
                                    {"params": critic.parameters(), "lr": args.critic_learning_rate}], lr=args.learning_rate)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
+    decay = (lambda s: 1 - s / args.steps) if args.lr_schedule == "linear" else (lambda s: 1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)) * decay(s))
     eos_ids = eos_token_ids(tokenizer, model)
     gen_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0,
                                   max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
