@@ -31,18 +31,27 @@ Sampling follows exactly the settings in Args (temperature, top-p, no top-k, not
 saved generation_config is replaced by a neutral one, so nothing such as a repetition penalty is merged in,
 and the sampled tokens come from the softmax(logits / temperature) that the loss assumes.
 
+Nothing is lost: a checkpoint (every --save-every steps, at the last step, and after the current step on Ctrl-C or
+SIGTERM) is a save_pretrained folder with the training state (optimizer, schedule, RNG, prompt position) beside the
+weights, written whole or not at all; `--resume {output_dir}/{run_name}/latest` continues the run exactly where
+it stopped (bit for bit on CPU). An update with a non-finite loss or gradient is skipped, and counted.
+
 Deliberate simplifications, each to keep the file readable:
   - one process, one device: no data parallelism, no vLLM sampler (sampling is `model.generate`);
   - the std in A_i is the sample std of the group (as TRL and verl compute it).
 """
 
 import copy
+import glob
 import importlib.util
-import itertools
 import json
 import math
 import os
 import random
+import shlex
+import shutil
+import signal
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal
@@ -56,6 +65,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 import rewards
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+STATE_FILE = "training_state.pt"  # beside the weights in every checkpoint folder
 
 
 @dataclass
@@ -71,10 +81,15 @@ class Args:
     """measure held-out accuracy every this many steps (and before the first step); 0 to disable"""
     eval_prompts: int = 64
     """number of held-out prompts scored, greedily, at each evaluation"""
-    save_every: int = 0
-    """save a checkpoint every this many steps (0: only at the end)"""
+    save_every: int = 10
+    """save a checkpoint every this many steps; the last step and a stop (Ctrl-C, SIGTERM) always save one"""
+    keep_checkpoints: int = 1
+    """keep the newest this many checkpoints (0: all); an older one is deleted only once a newer one is complete"""
     output_dir: str = "checkpoints"
-    """checkpoints go to {output_dir}/{run_name}/step_{N} and .../final"""
+    """checkpoints go to {output_dir}/{run_name}/step_{N}: save_pretrained folders with training_state.pt beside them"""
+    resume: str | None = None
+    """continue a run from this checkpoint folder, or from the newest complete one with {output_dir}/{run_name}/latest;
+    the run keeps the checkpoint's arguments, so give no others"""
     log_completions_every: int = 10
     """write a few completions with their rewards to TensorBoard every this many steps"""
 
@@ -129,6 +144,8 @@ class Args:
     """completions per forward/backward pass (gradient accumulation; memory only, not results)"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
+    max_skipped_updates: int = 3
+    """an update with a non-finite loss or gradient norm is skipped; this many in a row stop the run"""
 
     # algorithm
     clip_eps: float = 0.2
@@ -158,6 +175,9 @@ def validate(args: Args) -> None:
         (args.micro_batch_size >= 1 and args.num_iterations >= 1, "--micro-batch-size and --num-iterations >= 1"),
         (args.temperature > 0 and 0 < args.top_p <= 1, "--temperature must be > 0 and --top-p in (0, 1]"),
         (args.max_new_tokens >= 1 and args.max_prompt_tokens >= 1, "token limits must be positive"),
+        (min(args.eval_every, args.eval_prompts, args.save_every, args.keep_checkpoints, args.warmup_steps) >= 0,
+         "--eval-every, --eval-prompts, --save-every, --keep-checkpoints and --warmup-steps must be >= 0"),
+        (args.max_skipped_updates >= 1, "--max-skipped-updates must be at least 1"),
         (set(args.reward_weights) <= {"correctness", "format"}, "--reward-weights: correctness and format only"),
         (args.clip_eps > 0 and args.beta >= 0, "--clip-eps must be > 0 and --beta >= 0"),
         (0 <= args.gamma <= 1 and 0 <= args.lam <= 1, "--gamma and --lam must be in [0, 1]"),
@@ -187,7 +207,12 @@ def load_model(name: str, device: torch.device):
     kwargs = {}
     if path.endswith(".gguf"):
         path, kwargs["gguf_file"] = os.path.split(os.path.abspath(path))
-    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    except OSError as e:  # a Hub id that does not exist, or no network: one line instead of a traceback
+        offline = "couldn't connect" in str(e)
+        raise SystemExit(f"error: --model {name}: " + ("not a local file or folder, and the Hugging Face Hub cannot be "
+                         "reached (offline?): download it first or give a local path" if offline else str(e).splitlines()[0]))
     config = AutoConfig.from_pretrained(path, **kwargs)
     for key, value in config.to_dict().items():  # no dropout (as in TRL): a sequence's log-probs must not change
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):  # between passes; Llama and Qwen2
@@ -218,7 +243,7 @@ def eos_token_ids(tokenizer, model) -> list[int]:
     return sorted(set(ids) | {tokenizer.eos_token_id})
 
 
-def encode_prompts(tokenizer, prompts: list, max_prompt_tokens: int) -> list[list[int]]:
+def encode_prompts(tokenizer, prompts: list) -> list[list[int]]:
     """Token ids of each prompt, through the chat template when the tokenizer has one."""
     encoded = []
     for prompt in prompts:
@@ -228,7 +253,7 @@ def encode_prompts(tokenizer, prompts: list, max_prompt_tokens: int) -> list[lis
             ids = tokenizer(text, add_special_tokens=False).input_ids
         else:
             ids = tokenizer(prompt).input_ids
-        encoded.append(ids[-max_prompt_tokens:])
+        encoded.append(ids)
     return encoded
 
 
@@ -383,20 +408,37 @@ def compute_policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, 
 
 
 def score(completions: list[str], answers: list[str], task: rewards.Task, weights: dict[str, float]):
-    """Weighted sum of the reward functions, and each function's scores for logging."""
-    parts = {name: torch.tensor(task.reward_funcs[name](completions, answers)) for name in weights}
+    """Weighted sum of the reward functions, and each function's scores for logging. A function that raises gives
+    the completions it fails on 0, counted in parts["errors"] (logged as charts/reward_errors), and the run goes on."""
+    parts, errors = {}, torch.zeros(len(completions))
+    for name in weights:
+        func = task.reward_funcs[name]
+        try:
+            parts[name] = torch.tensor(func(completions, answers), dtype=torch.float)
+        except Exception:  # score one completion at a time to find the ones it fails on
+            scores = []
+            for i, (completion, answer) in enumerate(zip(completions, answers)):
+                try:
+                    scores += func([completion], [answer])
+                except Exception as e:
+                    scores.append(0.0)
+                    errors[i] += 1
+                    tqdm.write(f"reward {name} raised {e!r} on {completion[:80]!r}: scored 0")
+            parts[name] = torch.tensor(scores, dtype=torch.float)
     total = sum(weights[name] * parts[name] for name in weights)
-    return total.float(), parts
+    return total.float(), {**parts, "errors": errors}
 
 
-def rollouts(model, tokenizer, task: rewards.Task, args: Args, gen_config, eos_ids: list[int]):
-    """Steps 1 to 3 of every training step, as an endless generator of scored batches of B = num_prompts * G."""
+def rollouts(model, tokenizer, task: rewards.Task, args: Args, gen_config, eos_ids: list[int], cursor: dict):
+    """Steps 1 to 3 of every training step, as an endless generator of scored batches of B = num_prompts * G.
+    cursor["prompts_taken"] counts the prompts taken so far; checkpoints save it, so a resumed run goes on in order."""
     order = list(range(len(task.train)))
-    random.shuffle(order)
-    for start in itertools.count(0, args.num_prompts):
+    random.Random(args.seed).shuffle(order)  # its own generator: a resumed run rebuilds the same order
+    while True:
         # 1. take num_prompts prompts (cycling through a shuffled train split)
+        start, cursor["prompts_taken"] = cursor["prompts_taken"], cursor["prompts_taken"] + args.num_prompts
         picked = [task.train[order[(start + k) % len(order)]] for k in range(args.num_prompts)]
-        prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in picked], args.max_prompt_tokens)
+        prompt_ids = [r["prompt_ids"] for r in picked]
 
         # 2. sample G completions per prompt in one batched generate call
         input_ids, attention_mask, completion_mask, truncated = sample(
@@ -419,21 +461,69 @@ def evaluate(model, tokenizer, records: list[dict], correctness: rewards.RewardF
     scores = []
     for start in range(0, len(records), batch):
         chunk = records[start : start + batch]
-        ids = encode_prompts(tokenizer, [r["prompt"] for r in chunk], args.max_prompt_tokens)
-        out, _, completion_mask, _ = sample(model, tokenizer, ids, 1, greedy, eos_ids)
+        out, _, completion_mask, _ = sample(model, tokenizer, [r["prompt_ids"] for r in chunk], 1, greedy, eos_ids)
         texts = decode(tokenizer, out[:, -completion_mask.shape[1]:], completion_mask)
         scores += correctness(texts, [r["answer"] for r in chunk])
     return sum(scores) / max(1, len(scores))
 
 
-def save(model, tokenizer, path: str) -> None:
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+def save(model, tokenizer, path: str, state: dict, keep: int) -> None:
+    """A save_pretrained folder (transformers and vLLM load it) with the training state beside it in STATE_FILE. It is
+    written to a temporary folder and renamed into place, so a crash while saving leaves no half checkpoint; then
+    only the newest `keep` checkpoints of the run stay (0: all)."""
+    run_dir, name = os.path.split(path)
+    tmp = os.path.join(run_dir, f".tmp-{name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    torch.save(state, os.path.join(tmp, STATE_FILE))
+    shutil.rmtree(path, ignore_errors=True)  # the same step saved again (a run resumed from an earlier checkpoint)
+    os.rename(tmp, path)
+    saved = sorted(glob.glob(os.path.join(run_dir, "step_*")), key=lambda d: int(d.rsplit("_", 1)[1]))
+    for old in saved[:-keep] if keep > 0 else []:
+        if old != path:
+            shutil.rmtree(old)
+
+
+def find_checkpoint(path: str) -> str:
+    """The checkpoint `--resume` names: the folder itself, or for {run folder}/latest (or the run folder) its
+    complete checkpoint of the highest step; complete means STATE_FILE is there (it is renamed into place last)."""
+    folder = os.path.dirname(path) if os.path.basename(path) == "latest" else path
+    if os.path.isfile(os.path.join(folder, STATE_FILE)):
+        return folder
+    found = [d for d in glob.glob(os.path.join(folder, "step_*")) if os.path.isfile(os.path.join(d, STATE_FILE))]
+    if not found:
+        raise SystemExit(f"error: --resume {path}: no complete checkpoint (a folder with {STATE_FILE}) there")
+    return max(found, key=lambda d: int(d.rsplit("_", 1)[1]))
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def main(args: Args) -> None:
+    state = None
+    if args.resume is not None:  # continue a run: its arguments, weights, optimizer, schedule, RNG and prompt order
+        checkpoint = find_checkpoint(args.resume)
+        if args != Args(resume=args.resume):
+            raise SystemExit("error: --resume continues the run with the checkpoint's arguments; give no others")
+        state = torch.load(os.path.join(checkpoint, STATE_FILE), weights_only=True)
+        if state["script"] != os.path.basename(__file__):
+            raise SystemExit(f"error: --resume {checkpoint}: a checkpoint of {state['script']}, not of this script")
+        args = Args(**{**state["args"], "resume": checkpoint})
     validate(args)
-    task = rewards.load_task(args.task, args.difficulty, args.prompt_field, args.answer_field)  # fails before the model
+    try:  # a bad dataset fails here, in one line, before the model loads
+        task = rewards.load_task(args.task, args.difficulty, args.prompt_field, args.answer_field)
+    except (OSError, ValueError, ImportError) as e:
+        raise SystemExit(f"error: {e}")
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -455,12 +545,40 @@ def main(args: Args) -> None:
                                   max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                                   eos_token_id=eos_ids)
 
+    records = task.train + task.test  # tokenize each prompt once; cutting one is reported, never silent
+    encoded = encode_prompts(tokenizer, [r["prompt"] for r in records])
+    for record, ids in zip(records, encoded):
+        record["prompt_ids"] = ids[-args.max_prompt_tokens:]
+    cut = sum(len(ids) > args.max_prompt_tokens for ids in encoded)
+    if cut:
+        print(f"warning: {cut} of {len(records)} prompts are longer than --max-prompt-tokens {args.max_prompt_tokens}; "
+              f"each is cut to its last {args.max_prompt_tokens} tokens")
+
     safe_task = os.path.splitext(os.path.basename(args.task))[0] if args.task.endswith(".jsonl") else args.task
-    run_name = f"{safe_task.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    writer = SummaryWriter(f"runs/{run_name}")
-    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
+    run_name = state["run_name"] if state else f"{safe_task.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    writer = SummaryWriter(f"runs/{run_name}", purge_step=state["step"] + 1 if state else None)  # same step axis
+    if state is None:
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
     print(f"run {run_name} on {device} ({dtype}); TensorBoard: runs/{run_name}")
     eval_records, accuracy = task.test[: args.eval_prompts], {}  # accuracy: step -> held-out greedy accuracy
+    cursor, skipped_updates, skipped_in_a_row, start = {"prompts_taken": 0}, 0, 0, 0
+    if state is not None:  # the checkpoint's weights, optimizer, schedule and counters, and last its RNG state
+        model.load_state_dict(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict())
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        critic.load_state_dict(state["critic"])  # PPO
+        cursor, accuracy, skipped_updates, start = state["cursor"], state["accuracy"], state["skipped_updates"], state["step"]
+        set_rng_state(state["rng"])
+        print(f"resumed from {checkpoint} after step {start}")
+
+    def save_checkpoint(step: int) -> str:
+        path = os.path.join(args.output_dir, run_name, f"step_{step}")
+        save(model, tokenizer, path, {
+            "script": os.path.basename(__file__), "args": {**asdict(args), "resume": None}, "run_name": run_name,
+            "step": step, "cursor": cursor, "accuracy": accuracy, "skipped_updates": skipped_updates, "rng": rng_state(),
+            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "critic": critic.state_dict()}, args.keep_checkpoints)  # PPO: the critic, beside the policy
+        return path
 
     def log_evaluation(step: int) -> None:
         with autocast:
@@ -468,14 +586,21 @@ def main(args: Args) -> None:
         writer.add_scalar("charts/eval_accuracy", accuracy[step], step)
         tqdm.write(f"step {step}: held-out greedy accuracy {accuracy[step]:.3f} on {len(eval_records)} prompts")
 
-    if args.eval_every > 0:
+    if args.eval_every > 0 and state is None:
         log_evaluation(0)
-    batches = rollouts(model, tokenizer, task, args, gen_config, eos_ids)
+    batches = rollouts(model, tokenizer, task, args, gen_config, eos_ids, cursor)
     B = args.num_prompts * args.group_size
     minibatch_size = B // args.num_minibatches
     reuse_logprobs = args.num_iterations == 1 and args.num_minibatches == 1 and args.beta == 0  # PPO: KL needs pi_old
-    progress = tqdm(range(1, args.steps + 1), desc=args.exp_name)
-    step = 0
+    progress = tqdm(range(start + 1, args.steps + 1), desc=args.exp_name, initial=start, total=args.steps)
+    step, path, stop = start, args.resume, []
+
+    def request_stop(signum, frame):  # SIGINT (Ctrl-C) or SIGTERM (pre-emption): save after this step, exit 0
+        stop.append(signum)
+        signal.signal(signum, handlers[signum])  # a second one acts at once
+        tqdm.write(f"{signal.Signals(signum).name}: stopping after step {step} (send it again to quit at once)")
+
+    handlers = {signum: signal.signal(signum, request_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         for step in progress:
             step_start = time.time()
@@ -506,6 +631,7 @@ def main(args: Args) -> None:
             train_start, stats = time.time(), []
             for _ in range(args.num_iterations):
                 for minibatch in torch.randperm(B).split(minibatch_size):
+                    first = len(stats)  # this mini-batch's micro-batches are stats[first:]
                     for mb in minibatch.split(args.micro_batch_size):
                         with autocast:  # the forward pass in the compute dtype; the loss and backward outside it
                             logprobs, entropy = token_logprobs(model, input_ids[mb], attention_mask[mb], T, args.temperature,
@@ -523,10 +649,16 @@ def main(args: Args) -> None:
                         stats.append(mb_stats)
                     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                     value_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)  # PPO
-                    if torch.isfinite(grad_norm) and torch.isfinite(value_grad_norm):
+                    losses = [s["policy_loss"] + s["value_loss"] for s in stats[first:]]  # PPO: the critic's too
+                    if math.isfinite(grad_norm.item() + value_grad_norm.item()) and all(map(math.isfinite, losses)):
                         optimizer.step()
-                    else:  # never let one bad batch destroy the weights
-                        print(f"step {step}: non-finite gradient norm, optimizer step skipped")
+                        skipped_in_a_row = 0
+                    else:  # never let one bad batch destroy the weights: skip it, count it, stop if it persists
+                        skipped_updates, skipped_in_a_row = skipped_updates + 1, skipped_in_a_row + 1
+                        tqdm.write(f"step {step}: non-finite loss or gradient norm, update skipped ({skipped_in_a_row} in a row)")
+                        if skipped_in_a_row >= args.max_skipped_updates:
+                            raise SystemExit(f"error: step {step}: {skipped_in_a_row} updates in a row had a non-finite loss or "
+                                             f"gradient norm; stopped without saving (the last checkpoint: {path})")
                     optimizer.zero_grad(set_to_none=True)
                     stats[-1].update(grad_norm=grad_norm.item(), value_grad_norm=value_grad_norm.item())
             scheduler.step()
@@ -545,6 +677,7 @@ def main(args: Args) -> None:
                 "returns_mean": masked_mean(returns, completion_mask).item(),  # PPO
                 "non_score_reward": non_score.sum(1).mean().item(),  # PPO: the KL part of the reward, per completion
                 "learning_rate": scheduler.get_last_lr()[0],
+                "skipped_updates": skipped_updates,
                 "step_seconds": time.time() - step_start,
                 "sample_tokens_per_second": lengths.sum().item() / sample_seconds,
                 "train_tokens_per_second": args.num_iterations * attention_mask.sum().item() / train_seconds,
@@ -563,19 +696,25 @@ def main(args: Args) -> None:
                 writer.add_text("completions", "|reward|completion|\n|-|-|\n" + "\n".join(rows), step)
             if args.eval_every > 0 and (step % args.eval_every == 0 or step == args.steps):
                 log_evaluation(step)
-            if args.save_every > 0 and step % args.save_every == 0:
-                save(model, tokenizer, os.path.join(args.output_dir, run_name, f"step_{step}"))
+            if stop or step == args.steps or (args.save_every > 0 and step % args.save_every == 0):
+                path = save_checkpoint(step)
             progress.set_postfix(reward=f"{charts['reward_mean']:.3f}", sec=f"{charts['step_seconds']:.1f}")
-    except BaseException:  # Ctrl-C or a crash mid-run: keep what was trained so far, then re-raise
-        if step >= 1:
-            save(model, tokenizer, os.path.join(args.output_dir, run_name, "interrupted"))
-            print(f"interrupted in step {step}: saved the weights to {args.output_dir}/{run_name}/interrupted")
+            if stop:
+                break
+    except Exception:  # a crash: the last complete checkpoint stays; say how to go on from it
+        if path is not None:
+            print(f"crashed in step {step}; resume with: {shlex.join(['python', sys.argv[0], '--resume', path])}")
         raise
-    save(model, tokenizer, os.path.join(args.output_dir, run_name, "final"))
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
     writer.close()
-    print(f"saved {args.output_dir}/{run_name}/final")
-    if accuracy:
-        print(f"held-out greedy accuracy: {accuracy[0]:.3f} before training -> {accuracy[step]:.3f} after {step} steps")
+    if stop:
+        print(f"stopped after step {step}; resume with: {shlex.join(['python', sys.argv[0], '--resume', path])}")
+    print(f"saved {path}")
+    if 0 in accuracy:
+        last = max(accuracy)
+        print(f"held-out greedy accuracy: {accuracy[0]:.3f} before training -> {accuracy[last]:.3f} after {last} steps")
 
 
 if __name__ == "__main__":

@@ -279,11 +279,23 @@ def load_task(
     if task.endswith(".jsonl"):
         if not os.path.isfile(task):
             raise FileNotFoundError(f"--task {task}: no such file")
+        rows = []
         with open(task) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+            for number, line in enumerate(f, 1):  # name the line that is wrong, and what is wrong with it
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"--task {task}: line {number} is not valid JSON ({e.msg})") from None
+                missing = [name for name in (prompt_field, answer_field) if not isinstance(row, dict) or name not in row]
+                if missing:
+                    raise ValueError(f"--task {task}: line {number} has no field {missing[0]!r} "
+                                     f"(set --prompt-field / --answer-field)")
+                rows.append(row)
+        if len(rows) < 2:
+            raise ValueError(f"--task {task}: needs at least 2 records, found {len(rows)}" + (" (the file is empty)" if not rows else ""))
         records = normalise_records(rows, prompt_field, answer_field, task)
-        if len(records) < 2:
-            raise ValueError(f"--task {task}: needs at least 2 records, found {len(records)}")
         return Task(*hold_out(records))
     if "/" not in task:
         raise ValueError(f"--task {task!r}: not one of {BUILTIN_TASKS}, a .jsonl file or a Hub dataset id")

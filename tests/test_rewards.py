@@ -5,6 +5,8 @@ import types
 from fractions import Fraction
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import rewards
 
@@ -92,6 +94,22 @@ def test_format_reward():
 
 HOSTILE = ["\\boxed{}" * 200_000, "\\boxed{{}" * 100_000, "9" * 1_000_000, "{" * 1_000_000, "\\boxed{" * 200_000, "\\boxed{" + "{" * 1_000_000 + "1",
            "(" * 1_000_000, "<answer>" * 200_000, "1," * 500_000, "1." * 500_000, "\\boxed{" + "(" * 150 + "1"]
+
+
+PIECES = ["\\boxed{", "{", "}", "=", "<answer>", "</answer>", "(", ")", "1", "99", "-", ".", "/", ",", "+", "*", " ", "e9"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(unit=st.lists(st.sampled_from(PIECES), min_size=1, max_size=12), tail=st.text(max_size=20))
+def test_rewards_stay_linear_on_generated_hostile_strings(unit, tail):
+    """Any pattern of the characters the checkers look for, repeated to about 200k characters: a scan that is not
+    linear-time would take minutes on such a string; each checker must answer 0 or 1 in a few seconds."""
+    text = "".join(unit) * (200_000 // len("".join(unit))) + tail
+    for fn, answer in [(rewards.correctness_reward, "9"), (rewards.format_reward, "9"),
+                       (rewards.countdown_reward, "24|4,6,1")]:
+        start = time.perf_counter()
+        assert fn([text], [answer])[0] in (0.0, 1.0)
+        assert time.perf_counter() - start < 5.0
 
 
 @pytest.mark.parametrize("text", HOSTILE, ids=lambda t: f"{t[:10]!r}x{len(t)}")

@@ -1,0 +1,171 @@
+"""Nothing lost, in each script: a resumed run ends where an uninterrupted one does, checkpoints are written whole
+and rotated, SIGINT and SIGTERM stop cleanly, non-finite updates are skipped, a reward function that raises costs
+one completion its score, and a cut prompt is reported."""
+
+import glob
+import importlib
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import rewards
+import torch
+import tyro
+from conftest import ROOT, ScriptedRewards, read_run
+from safetensors.torch import load_file
+
+MODULES = [importlib.import_module(name) for name in ("grpo", "gspo", "dapo", "ppo")]
+CONTRAST = [[1, 0, 0, 1, 0, 1, 1, 0]]  # scripted correctness: both groups of 4 have contrast (DAPO keeps them)
+
+
+def small_run(module, tiny_model, copy_task, *argv) -> list[str]:
+    """Arguments of a short run of `module` on the toy task: 2 prompts x 4 completions of at most 4 tokens."""
+    own = ["--overlong-buffer", "0"] if module.__name__ == "dapo" else []
+    return ["--model", tiny_model, "--task", copy_task, "--num-prompts", "2", "--group-size", "4", "--max-new-tokens",
+            "4", "--eval-prompts", "4", "--output-dir", "ckpt", *own, *argv]
+
+
+def train(module, cwd, argv, monkeypatch) -> None:
+    """module.main in `cwd`, with scripted rewards (the same every step, so a resumed run sees what a whole one does)."""
+    monkeypatch.setattr(module, "score", ScriptedRewards(CONTRAST))
+    monkeypatch.chdir(cwd)
+    module.main(tyro.cli(module.Args, args=argv))
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(module, tiny_model, copy_task, tmp_path, monkeypatch):
+    """4 steps in one go, against 2 steps resumed from the step-2 checkpoint: weights, optimizer state (and PPO's
+    critic) bit-identical on CPU, and TensorBoard holds each step once, with the same values."""
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    whole.mkdir()
+    argv = small_run(module, tiny_model, copy_task, "--steps", "4", "--save-every", "2", "--keep-checkpoints", "0",
+                     "--learning-rate", "1e-3", "--eval-every", "2")
+    train(module, whole, argv, monkeypatch)
+    (run_dir,) = glob.glob(str(whole / "ckpt" / "*"))
+    shutil.copytree(whole, resumed)
+    shutil.rmtree(resumed / "ckpt" / os.path.basename(run_dir) / "step_4")  # as if stopped after step 2
+    train(module, resumed, ["--resume", os.path.join("ckpt", os.path.basename(run_dir), "latest")], monkeypatch)
+
+    checkpoints = [os.path.join(root, "ckpt", os.path.basename(run_dir), "step_4") for root in (whole, resumed)]
+    weights = [load_file(os.path.join(c, "model.safetensors")) for c in checkpoints]
+    initial = load_file(os.path.join(tiny_model, "model.safetensors"))
+    assert any(not torch.equal(weights[0][k], initial[k]) for k in initial)  # it trained
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in initial)
+    states = [torch.load(os.path.join(c, "training_state.pt"), weights_only=True) for c in checkpoints]
+    moments = [[t for s in state["optimizer"]["state"].values() for t in s.values()] for state in states]
+    assert len(moments[0]) > 0 and all(torch.equal(a, b) for a, b in zip(*moments))
+    if module.__name__ == "ppo":
+        assert all(torch.equal(states[0]["critic"][k], v) for k, v in states[1]["critic"].items())
+    assert states[1]["cursor"] == states[0]["cursor"] and states[1]["step"] == 4
+    whole_scalars, resumed_scalars = read_run(str(whole))[0], read_run(str(resumed))[0]
+    assert [s for s, _ in resumed_scalars["charts/reward_mean"]] == [1, 2, 3, 4]
+    assert resumed_scalars["charts/eval_accuracy"] == whole_scalars["charts/eval_accuracy"]
+    assert resumed_scalars["losses/policy_loss"] == whole_scalars["losses/policy_loss"]
+
+    latest = os.path.join(run_dir, "latest")  # a run resumes with its own arguments, and only in its own script
+    with pytest.raises(SystemExit, match="give no others"):
+        module.main(tyro.cli(module.Args, args=["--resume", latest, "--steps", "8"]))
+    other = MODULES[(MODULES.index(module) + 1) % len(MODULES)]
+    with pytest.raises(SystemExit, match=f"a checkpoint of {module.__name__}.py, not of this script"):
+        other.main(tyro.cli(other.Args, args=["--resume", latest]))
+
+
+def start(argv: list[str], cwd, ready: str) -> subprocess.Popen:
+    """Start a script and return once it has printed a line containing `ready`."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([sys.executable, *argv], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env=env)
+    for line in process.stdout:
+        if ready in line:
+            return process
+    raise AssertionError(f"{ready!r} never printed; exit code {process.wait()}")
+
+
+def stop(process: subprocess.Popen, signum: int) -> tuple[str, int]:
+    """Send `signum` once the run is in its training loop; its output and the step it says it stopped after."""
+    try:
+        process.communicate(timeout=2)  # let it take a few steps (it cannot finish 10000 of them)
+    except subprocess.TimeoutExpired:
+        pass
+    process.send_signal(signum)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output[-2000:]
+    return output, int(re.search(r"stopped after step (\d+)", output).group(1))
+
+
+@pytest.mark.parametrize("script, signum", [(f"{m.__name__}.py", signal.SIGTERM) for m in MODULES]
+                         + [("grpo.py", signal.SIGINT)])
+def test_a_signal_stops_after_the_step_saves_and_exits_0_and_the_run_resumes(script, signum, tiny_model, copy_task,
+                                                                              tmp_path):
+    """SIGTERM (a scheduler's pre-emption) or SIGINT (Ctrl-C): the step finishes, a checkpoint is saved, the command
+    that resumes it is printed, exit code 0. That command continues the run, which a second signal stops again."""
+    module = importlib.import_module(script[: -len(".py")])
+    argv = small_run(module, tiny_model, copy_task, "--steps", "10000", "--eval-every", "0", "--save-every", "0")
+    output, first = stop(start([os.path.join(ROOT, script), *argv], tmp_path, "TensorBoard"), signum)
+    (checkpoint,) = glob.glob(str(tmp_path / "ckpt" / "*" / "*"))  # nothing else: no temporary folder left
+    assert checkpoint.endswith(f"step_{first}") and os.path.isfile(os.path.join(checkpoint, "training_state.pt"))
+    command = shlex.split(re.search(r"resume with: (.*)", output).group(1))
+    assert command[0] == "python" and command[2:] == ["--resume", os.path.relpath(checkpoint, tmp_path)]
+    output, second = stop(start(command[1:], tmp_path, f"after step {first}"), signal.SIGTERM)
+    assert second > first
+    steps = [s for s, _ in read_run(str(tmp_path))[0]["charts/reward_mean"]]
+    assert steps == list(range(1, second + 1))  # one TensorBoard run, each step once
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+def test_non_finite_updates_are_skipped_counted_and_stop_the_run_when_they_persist(module, tiny_model, copy_task,
+                                                                                  tmp_path, monkeypatch):
+    compute_policy_loss = module.compute_policy_loss
+
+    def nan_loss(*args):
+        loss, stats = compute_policy_loss(*args)
+        return loss * float("nan"), stats
+
+    monkeypatch.setattr(module, "compute_policy_loss", nan_loss)
+    (tmp_path / "skipped").mkdir()
+    argv = small_run(module, tiny_model, copy_task, "--steps", "2", "--eval-every", "0", "--max-skipped-updates", "100")
+    train(module, tmp_path / "skipped", argv, monkeypatch)
+    skipped = read_run(str(tmp_path / "skipped"))[0]["charts/skipped_updates"]
+    updates_per_step = module.Args().num_minibatches * module.Args().num_iterations
+    assert skipped == [(1, updates_per_step), (2, 2 * updates_per_step)]
+    (last,) = glob.glob(str(tmp_path / "skipped" / "ckpt" / "*" / "step_2"))
+    trained, initial = load_file(os.path.join(last, "model.safetensors")), load_file(os.path.join(tiny_model, "model.safetensors"))
+    assert all(torch.equal(trained[k], initial[k]) for k in initial)  # no NaN reached the weights
+
+    (tmp_path / "stopped").mkdir()
+    argv = small_run(module, tiny_model, copy_task, "--steps", "6", "--eval-every", "0", "--save-every", "1",
+                     "--keep-checkpoints", "0")
+    with pytest.raises(SystemExit, match=r"error: step (\d+): 3 updates in a row had a non-finite") as stopped:
+        train(module, tmp_path / "stopped", argv, monkeypatch)
+    failed_step = int(re.search(r"step (\d+)", str(stopped.value)).group(1))
+    saved = sorted(int(p.rsplit("_", 1)[1]) for p in glob.glob(str(tmp_path / "stopped" / "ckpt" / "*" / "step_*")))
+    assert saved == list(range(1, failed_step))  # the step that failed saved nothing; the earlier ones stay
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+def test_a_reward_function_that_raises_scores_0_only_where_it_fails(module):
+    def fragile(completions, answers):
+        if any("boom" in c for c in completions):
+            raise ValueError("boom")
+        return [1.0] * len(completions)
+
+    task = rewards.Task(train=[], test=[], correctness=fragile)
+    total, parts = module.score(["ok", "boom", "\\boxed{3}"], ["1", "1", "3"], task, {"correctness": 1.0, "format": 0.5})
+    assert parts["correctness"].tolist() == [1.0, 0.0, 1.0]
+    assert parts["errors"].tolist() == [0.0, 1.0, 0.0]
+    assert total.tolist() == [1.0, 0.0, 1.5]
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+def test_prompts_longer_than_max_prompt_tokens_are_reported(module, tiny_model, tmp_path, monkeypatch, capsys):
+    """10 prompts of one digit and 5 of nine digits; at most 6 tokens per prompt cuts exactly the 5 long ones."""
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(f'{{"prompt": "{p}", "answer": "1"}}\n' for p in ["7"] * 10 + ["123456789"] * 5))
+    argv = small_run(module, tiny_model, str(data), "--steps", "1", "--eval-every", "0", "--max-prompt-tokens", "6")
+    train(module, tmp_path, argv, monkeypatch)
+    assert "warning: 5 of 15 prompts are longer than --max-prompt-tokens 6" in capsys.readouterr().out
