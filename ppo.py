@@ -14,12 +14,13 @@ The critic is a separate model, as in standard LLM PPO: a copy of the policy's t
 its weights, without the LM head) plus a scalar head on each token's hidden state. Its weights, gradients and
 AdamW moments roughly double the memory of training, and its forward and backward passes add about as much
 compute again as the policy's; that cost is what GRPO's group baseline removes. The batch keeps the shape
-num_prompts x group_size of the other scripts, with group_size 1 by default. The critic is not saved in
-checkpoints (they hold the policy only).
+num_prompts x group_size of the other scripts, with group_size 1 by default. A checkpoint's save_pretrained
+folder holds the policy; the critic's weights go in its training_state.pt, so a resumed run keeps them.
 
 Run (the default model is SmolLM2-135M-Instruct, the default task built-in arithmetic):
     python ppo.py
     python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --task openai/gsm8k --max-new-tokens 512
+    torchrun --nproc_per_node 8 ppo.py --model Qwen/Qwen2.5-7B-Instruct --num-prompts 64  # one node, 8 GPUs
 
 Precision: the trained weights, their gradients and the AdamW state are float32 (16 bytes per parameter,
 plus the activations); `--dtype bfloat16` (the CUDA default) runs every forward pass, sampling included, in
@@ -37,10 +38,13 @@ weights, written whole or not at all; `--resume {output_dir}/{run_name}/latest` 
 it stopped (bit for bit on CPU). An update with a non-finite loss or gradient is skipped, and counted.
 
 Deliberate simplifications, each to keep the file readable:
-  - one process, one device: no data parallelism, no vLLM sampler (sampling is `model.generate`);
+  - data parallelism only: under torchrun, FSDP2 shards the weights, gradients and AdamW state over the devices and
+    each process samples and trains on its share of the prompts; no tensor or pipeline parallelism, and no vLLM
+    sampler (sampling is `model.generate` on weights gathered once per call);
   - the std in A_i is the sample std of the group (as TRL and verl compute it).
 """
 
+import contextlib
 import copy
 import glob
 import importlib.util
@@ -57,7 +61,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 import tyro
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -166,12 +174,14 @@ class Args:
 
 def validate(args: Args) -> None:
     """Reject bad arguments with a clear message before anything heavy is loaded."""
-    batch = args.num_prompts * args.group_size
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # processes under torchrun
+    batch = args.num_prompts // world * args.group_size  # completions per process
     checks = [
+        (args.num_prompts % world == 0, f"--num-prompts must be a multiple of the number of processes ({world})"),
         (args.group_size >= 1, "--group-size must be at least 1"),
         (args.num_prompts >= 1 and args.steps >= 1, "--num-prompts and --steps must be positive"),
         (args.num_minibatches >= 1 and batch % args.num_minibatches == 0,
-         f"--num-minibatches must divide num_prompts * group_size = {batch}"),
+         f"--num-minibatches must divide num_prompts * group_size / processes = {batch}"),
         (args.micro_batch_size >= 1 and args.num_iterations >= 1, "--micro-batch-size and --num-iterations >= 1"),
         (args.temperature > 0 and 0 < args.top_p <= 1, "--temperature must be > 0 and --top-p in (0, 1]"),
         (args.max_new_tokens >= 1 and args.max_prompt_tokens >= 1, "token limits must be positive"),
@@ -271,7 +281,8 @@ def sample(model, tokenizer, prompt_ids: list[list[int]], repeat: int, gen_confi
     input_ids, prompt_mask = input_ids.repeat_interleave(repeat, 0), prompt_mask.repeat_interleave(repeat, 0)
     was_training = model.training
     model.eval()  # gradient checkpointing disables the KV cache in train mode
-    out = model.generate(input_ids=input_ids, attention_mask=prompt_mask, generation_config=gen_config)
+    out = model.generate(input_ids=input_ids, attention_mask=prompt_mask, generation_config=gen_config,
+                         synced_gpus=False)  # with the weights gathered, each rank decodes on its own
     model.train(was_training)
     completion = out[:, width:]  # (B, T)
     is_eos = torch.isin(completion, torch.tensor(eos_ids, device=device))  # (B, T)
@@ -354,9 +365,10 @@ def compute_gae(rewards, values, mask, gamma: float, lam: float):
 
 
 def whiten(x, mask, eps: float = 1e-8):
-    """(x - mean) / std over the batch's real tokens; padding stays 0."""
-    mean = masked_mean(x, mask)
-    variance = masked_mean((x - mean) ** 2, mask)
+    """(x - mean) / std over the real tokens of the whole batch (every rank's); padding stays 0."""
+    count = all_sum(mask.sum()).clamp(min=1)
+    mean = all_sum((x * mask).sum()) / count
+    variance = all_sum(((x - mean) ** 2 * mask).sum()) / count
     return (x - mean) * torch.rsqrt(variance + eps) * mask
 
 
@@ -429,20 +441,23 @@ def score(completions: list[str], answers: list[str], task: rewards.Task, weight
     return total.float(), {**parts, "errors": errors}
 
 
-def rollouts(model, tokenizer, task: rewards.Task, args: Args, gen_config, eos_ids: list[int], cursor: dict):
+def rollouts(model, tokenizer, task: rewards.Task, args: Args, gen_config, eos_ids: list[int], cursor: dict,
+             rank: int, world: int):
     """Steps 1 to 3 of every training step, as an endless generator of scored batches of B = num_prompts * G.
     cursor["prompts_taken"] counts the prompts taken so far; checkpoints save it, so a resumed run goes on in order."""
     order = list(range(len(task.train)))
     random.Random(args.seed).shuffle(order)  # its own generator: a resumed run rebuilds the same order
+    share = args.num_prompts // world  # each rank takes its share of the prompts; a prompt's group stays on one rank
     while True:
         # 1. take num_prompts prompts (cycling through a shuffled train split)
         start, cursor["prompts_taken"] = cursor["prompts_taken"], cursor["prompts_taken"] + args.num_prompts
-        picked = [task.train[order[(start + k) % len(order)]] for k in range(args.num_prompts)]
+        picked = [task.train[order[(start + rank * share + k) % len(order)]] for k in range(share)]
         prompt_ids = [r["prompt_ids"] for r in picked]
 
         # 2. sample G completions per prompt in one batched generate call
-        input_ids, attention_mask, completion_mask, truncated = sample(
-            model, tokenizer, prompt_ids, args.group_size, gen_config, eos_ids)  # (B, P+T), (B, P+T), (B, T), (B,)
+        with gathered(model):
+            input_ids, attention_mask, completion_mask, truncated = sample(
+                model, tokenizer, prompt_ids, args.group_size, gen_config, eos_ids)  # (B, P+T), (B, P+T), (B, T), (B,)
         T = completion_mask.shape[1]
         completions = decode(tokenizer, input_ids[:, -T:], completion_mask)
         answers = [r["answer"] for r in picked for _ in range(args.group_size)]
@@ -454,27 +469,30 @@ def rollouts(model, tokenizer, task: rewards.Task, args: Args, gen_config, eos_i
 
 @torch.no_grad()
 def evaluate(model, tokenizer, records: list[dict], correctness: rewards.RewardFunc, args: Args, eos_ids: list[int]) -> float:
-    """Greedy accuracy on held-out records, measured with the task's correctness reward."""
+    """Greedy accuracy on held-out records (this rank's share of them; the total is summed over the ranks),
+    measured with the task's correctness reward."""
     greedy = GenerationConfig(do_sample=False, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                               eos_token_id=eos_ids)
     batch = args.num_prompts * args.group_size
     scores = []
-    for start in range(0, len(records), batch):
-        chunk = records[start : start + batch]
-        out, _, completion_mask, _ = sample(model, tokenizer, [r["prompt_ids"] for r in chunk], 1, greedy, eos_ids)
-        texts = decode(tokenizer, out[:, -completion_mask.shape[1]:], completion_mask)
-        scores += correctness(texts, [r["answer"] for r in chunk])
-    return sum(scores) / max(1, len(scores))
+    with gathered(model):
+        for start in range(0, len(records), batch):
+            chunk = records[start : start + batch]
+            out, _, completion_mask, _ = sample(model, tokenizer, [r["prompt_ids"] for r in chunk], 1, greedy, eos_ids)
+            texts = decode(tokenizer, out[:, -completion_mask.shape[1]:], completion_mask)
+            scores += correctness(texts, [r["answer"] for r in chunk])
+    correct, total = all_sum(torch.tensor([sum(scores), len(scores)], dtype=torch.float64)).tolist()
+    return correct / max(1, total)
 
 
-def save(model, tokenizer, path: str, state: dict, keep: int) -> None:
+def save(model, tokenizer, path: str, weights: dict, state: dict, keep: int) -> None:
     """A save_pretrained folder (transformers and vLLM load it) with the training state beside it in STATE_FILE. It is
     written to a temporary folder and renamed into place, so a crash while saving leaves no half checkpoint; then
     only the newest `keep` checkpoints of the run stay (0: all)."""
     run_dir, name = os.path.split(path)
     tmp = os.path.join(run_dir, f".tmp-{name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=weights)
     tokenizer.save_pretrained(tmp)
     torch.save(state, os.path.join(tmp, STATE_FILE))
     shutil.rmtree(path, ignore_errors=True)  # the same step saved again (a run resumed from an earlier checkpoint)
@@ -509,6 +527,96 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# ----------------------------------------------------------------------------- many devices: torchrun and FSDP2
+# Run alone (`python grpo.py`), each of these is a no-op: rank 0 of 1, sums over one process, an unsharded model.
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """This process's rank, the number of processes, and its device. Under torchrun: one process per device, in one
+    process group (NCCL on CUDA, gloo on CPU); only rank 0 prints, logs and writes checkpoints."""
+    cuda = torch.cuda.is_available()
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    if dist.get_rank() > 0:
+        sys.stdout = open(os.devnull, "w")
+    return dist.get_rank(), dist.get_world_size(), torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+
+def all_sum(x: torch.Tensor) -> torch.Tensor:
+    """x summed over all ranks (on the communication device)."""
+    if dist.is_initialized():
+        x = x.detach().to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)
+        dist.all_reduce(x)
+    return x
+
+
+def all_gather(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's x (the same shape on each), concatenated in rank order along dim 0."""
+    if not dist.is_initialized():
+        return x
+    x = x.detach().to("cuda" if dist.get_backend() == "nccl" else "cpu").contiguous()
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x)
+    return torch.cat(parts)
+
+
+def across_ranks(value: float, how: str = "mean") -> float:
+    """A logged number's mean, min or max over all ranks."""
+    if not dist.is_initialized():
+        return value
+    x = torch.tensor([value], dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(x, {"mean": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[how])
+    return x.item() / (dist.get_world_size() if how == "mean" else 1)
+
+
+def all_objects(obj) -> list:
+    """Every rank's `obj`, in rank order (for the RNG states a checkpoint keeps)."""
+    if not dist.is_initialized():
+        return [obj]
+    objects = [None] * dist.get_world_size()
+    dist.all_gather_object(objects, obj)
+    return objects
+
+
+def shard(module: torch.nn.Module, layer_names: set, dtype: torch.dtype) -> torch.nn.Module:
+    """FSDP2: shard each decoder layer, then the rest of `module`, over the ranks. Parameters, gradients and the AdamW
+    state stay float32, 1/world of them on each device; a layer's full weights are gathered in `dtype` only for its
+    forward and backward passes, and gradients are averaged over the ranks in float32."""
+    if dist.is_initialized():
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        for layer in [m for m in module.modules() if type(m).__name__ in layer_names]:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(module, mp_policy=policy)
+    return module
+
+
+@contextlib.contextmanager
+def gathered(model):
+    """The full weights for a whole sampling or evaluation call: one all-gather, not one per layer per decoded token,
+    so each rank decodes on its own. It costs a full copy of the weights in the compute dtype on every device; when
+    that does not fit, or sampling dominates the step, a separate inference engine (vLLM, SGLang) that receives the
+    new weights after each step is the next step."""
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in modules:
+        m.set_reshard_after_forward(False, recurse=False)
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.reshard()
+            m.set_reshard_after_forward(True, recurse=False)
+
+
+class NullWriter:
+    """Stands in for the TensorBoard writer on ranks other than 0."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
 def main(args: Args) -> None:
     state = None
     if args.resume is not None:  # continue a run: its arguments, weights, optimizer, schedule, RNG and prompt order
@@ -524,9 +632,9 @@ def main(args: Args) -> None:
         task = rewards.load_task(args.task, args.difficulty, args.prompt_field, args.answer_field)
     except (OSError, ValueError, ImportError) as e:
         raise SystemExit(f"error: {e}")
+    rank, world, device = init_distributed()
     random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(args.seed)  # the same on every rank: initialisation agrees
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32}.get(args.dtype) or getattr(torch, args.dtype)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)  # forward passes only
     tokenizer, model = load_model(args.model, device)  # float32 weights
@@ -535,7 +643,14 @@ def main(args: Args) -> None:
     ref_model = None
     if args.beta > 0:  # frozen copy of the initial policy; none at all when beta == 0
         ref_model = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)  # in the compute dtype
+        ref_model = shard(ref_model, model._no_split_modules or set(), dtype)
     critic = Critic(model)  # PPO: the value model, initialised from the policy
+    if state is not None:  # the checkpoint's weights, before they are sharded
+        model.load_state_dict(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict())
+        critic.load_state_dict(state["critic"])  # PPO
+    model = shard(model, model._no_split_modules or set(), dtype)
+    critic = shard(critic, model._no_split_modules or set(), dtype)  # PPO
+    trained = torch.nn.ModuleList([model, critic])  # PPO: what the optimizer updates, for its state dict
     optimizer = torch.optim.AdamW([{"params": model.parameters()},
                                    {"params": critic.parameters(), "lr": args.critic_learning_rate}], lr=args.learning_rate)
     decay = (lambda s: 1 - s / args.steps) if args.lr_schedule == "linear" else (lambda s: 1.0)
@@ -555,45 +670,53 @@ def main(args: Args) -> None:
               f"each is cut to its last {args.max_prompt_tokens} tokens")
 
     safe_task = os.path.splitext(os.path.basename(args.task))[0] if args.task.endswith(".jsonl") else args.task
-    run_name = state["run_name"] if state else f"{safe_task.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    writer = SummaryWriter(f"runs/{run_name}", purge_step=state["step"] + 1 if state else None)  # same step axis
+    stamp = int(all_sum(torch.tensor(time.time() if rank == 0 else 0.0, dtype=torch.float64)).item())  # rank 0's
+    run_name = state["run_name"] if state else f"{safe_task.replace('/', '_')}__{args.exp_name}__{args.seed}__{stamp}"
+    writer = SummaryWriter(f"runs/{run_name}", purge_step=state["step"] + 1 if state else None) if rank == 0 else NullWriter()
     if state is None:
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
     print(f"run {run_name} on {device} ({dtype}); TensorBoard: runs/{run_name}")
     eval_records, accuracy = task.test[: args.eval_prompts], {}  # accuracy: step -> held-out greedy accuracy
+    if rank > 0:  # sampling differs per rank; rank 0, alone or not, keeps the stream seeded above
+        torch.manual_seed(args.seed + rank)
     cursor, skipped_updates, skipped_in_a_row, start = {"prompts_taken": 0}, 0, 0, 0
     if state is not None:  # the checkpoint's weights, optimizer, schedule and counters, and last its RNG state
-        model.load_state_dict(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict())
-        optimizer.load_state_dict(state["optimizer"])
+        if len(state["rng"]) != world:
+            raise SystemExit(f"error: --resume {checkpoint}: saved by {len(state['rng'])} processes; resume it with as many")
+        set_optimizer_state_dict(trained, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
         scheduler.load_state_dict(state["scheduler"])
-        critic.load_state_dict(state["critic"])  # PPO
         cursor, accuracy, skipped_updates, start = state["cursor"], state["accuracy"], state["skipped_updates"], state["step"]
-        set_rng_state(state["rng"])
+        set_rng_state(state["rng"][rank])
         print(f"resumed from {checkpoint} after step {start}")
 
-    def save_checkpoint(step: int) -> str:
+    def save_checkpoint(step: int) -> str:  # every rank takes part in gathering the shards; rank 0 writes
         path = os.path.join(args.output_dir, run_name, f"step_{step}")
-        save(model, tokenizer, path, {
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors, on rank 0's CPU
+        weights = get_model_state_dict(model, options=options)
+        optimizer_state = get_optimizer_state_dict(trained, optimizer, options=options)
+        state = {
             "script": os.path.basename(__file__), "args": {**asdict(args), "resume": None}, "run_name": run_name,
-            "step": step, "cursor": cursor, "accuracy": accuracy, "skipped_updates": skipped_updates, "rng": rng_state(),
-            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "critic": critic.state_dict()}, args.keep_checkpoints)  # PPO: the critic, beside the policy
+            "step": step, "cursor": cursor, "accuracy": accuracy, "skipped_updates": skipped_updates,
+            "rng": all_objects(rng_state()), "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
+            "critic": get_model_state_dict(critic, options=options)}  # PPO: the critic, beside the policy
+        if rank == 0:
+            save(model, tokenizer, path, weights, state, args.keep_checkpoints)
         return path
 
     def log_evaluation(step: int) -> None:
         with autocast:
-            accuracy[step] = evaluate(model, tokenizer, eval_records, task.correctness, args, eos_ids)
+            accuracy[step] = evaluate(model, tokenizer, eval_records[rank::world], task.correctness, args, eos_ids)
         writer.add_scalar("charts/eval_accuracy", accuracy[step], step)
         tqdm.write(f"step {step}: held-out greedy accuracy {accuracy[step]:.3f} on {len(eval_records)} prompts")
 
     if args.eval_every > 0 and state is None:
         log_evaluation(0)
-    batches = rollouts(model, tokenizer, task, args, gen_config, eos_ids, cursor)
-    B = args.num_prompts * args.group_size
+    batches = rollouts(model, tokenizer, task, args, gen_config, eos_ids, cursor, rank, world)
+    B = args.num_prompts // world * args.group_size  # completions on this rank
     minibatch_size = B // args.num_minibatches
     reuse_logprobs = args.num_iterations == 1 and args.num_minibatches == 1 and args.beta == 0  # PPO: KL needs pi_old
-    progress = tqdm(range(start + 1, args.steps + 1), desc=args.exp_name, initial=start, total=args.steps)
-    step, path, stop = start, args.resume, []
+    progress = tqdm(range(start + 1, args.steps + 1), desc=args.exp_name, initial=start, total=args.steps, disable=rank > 0)
+    step, path, stop, stopping = start, args.resume, [], False
 
     def request_stop(signum, frame):  # SIGINT (Ctrl-C) or SIGTERM (pre-emption): save after this step, exit 0
         stop.append(signum)
@@ -644,13 +767,14 @@ def main(args: Args) -> None:
                         mean_entropy = masked_mean(entropy, completion_mask[mb])
                         total = loss + args.vf_coef * value_loss - args.entropy_coef * mean_entropy  # PPO: -(L_CLIP - c1 L_VF + c2 H)
                         # PPO: token means, so each micro-batch weighs its share of the mini-batch's tokens
-                        (total * completion_mask[mb].sum() / completion_mask[minibatch].sum()).backward()
+                        (total * completion_mask[mb].sum() / (all_sum(completion_mask[minibatch].sum()) / world)).backward()
                         mb_stats.update(policy_loss=loss.item(), entropy=mean_entropy.item(), **value_stats)
                         stats.append(mb_stats)
                     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                     value_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)  # PPO
                     losses = [s["policy_loss"] + s["value_loss"] for s in stats[first:]]  # PPO: the critic's too
-                    if math.isfinite(grad_norm.item() + value_grad_norm.item()) and all(map(math.isfinite, losses)):
+                    finite = math.isfinite(grad_norm.item() + value_grad_norm.item()) and all(map(math.isfinite, losses))
+                    if all_sum(torch.tensor(float(finite))).item() == world:  # every rank steps, or none does
                         optimizer.step()
                         skipped_in_a_row = 0
                     else:  # never let one bad batch destroy the weights: skip it, count it, stop if it persists
@@ -664,31 +788,33 @@ def main(args: Args) -> None:
             scheduler.step()
             train_seconds = time.time() - train_start
 
-            # 7. log, evaluate, save
-            lengths = completion_mask.sum(1).float()  # (B,)
+            # 7. log (over every rank's completions), evaluate, save
+            lengths = all_gather(completion_mask.sum(1).float())  # (B * world,)
+            rewards_all = all_gather(reward)  # (B * world,)
             charts = {
-                "reward_mean": reward.mean().item(),
-                "reward_std": reward.std().item(),
-                **{f"reward_{name}": part.mean().item() for name, part in reward_parts.items()},
+                "reward_mean": rewards_all.mean().item(),
+                "reward_std": rewards_all.std().item(),
+                **{f"reward_{name}": all_gather(part).mean().item() for name, part in reward_parts.items()},
                 "completion_length_mean": lengths.mean().item(),
                 "completion_length_max": lengths.max().item(),
-                "truncated_fraction": truncated.float().mean().item(),
-                "value_mean": masked_mean(old_values, completion_mask).item(),  # PPO
-                "returns_mean": masked_mean(returns, completion_mask).item(),  # PPO
-                "non_score_reward": non_score.sum(1).mean().item(),  # PPO: the KL part of the reward, per completion
+                "truncated_fraction": all_gather(truncated.float()).mean().item(),
+                "value_mean": across_ranks(masked_mean(old_values, completion_mask).item()),  # PPO
+                "returns_mean": across_ranks(masked_mean(returns, completion_mask).item()),  # PPO
+                "non_score_reward": across_ranks(non_score.sum(1).mean().item()),  # PPO: the KL part of the reward
                 "learning_rate": scheduler.get_last_lr()[0],
                 "skipped_updates": skipped_updates,
                 "step_seconds": time.time() - step_start,
                 "sample_tokens_per_second": lengths.sum().item() / sample_seconds,
-                "train_tokens_per_second": args.num_iterations * attention_mask.sum().item() / train_seconds,
+                "train_tokens_per_second": args.num_iterations * all_sum(attention_mask.sum()).item() / train_seconds,
             }
             for name, value in charts.items():
                 writer.add_scalar(f"charts/{name}", value, step)
             for name in dict.fromkeys(k for s in stats for k in s):  # every key, in first-seen order
                 values = [s[name] for s in stats if name in s]
-                reduce = min if name.endswith("_min") else max if name.endswith("_max") else (lambda v: sum(v) / len(v))
-                writer.add_scalar(f"losses/{name}", reduce(values), step)
-            variance_explained = explained_variance(old_values, returns, completion_mask)  # PPO
+                how = "min" if name.endswith("_min") else "max" if name.endswith("_max") else "mean"
+                value = min(values) if how == "min" else max(values) if how == "max" else sum(values) / len(values)
+                writer.add_scalar(f"losses/{name}", across_ranks(value, how), step)
+            variance_explained = across_ranks(explained_variance(old_values, returns, completion_mask))  # PPO: mean over ranks
             if not math.isnan(variance_explained):  # undefined when every return is equal (as when every reward is 0)
                 writer.add_scalar("losses/explained_variance", variance_explained, step)
             if args.log_completions_every > 0 and step % args.log_completions_every == 0:
@@ -696,10 +822,11 @@ def main(args: Args) -> None:
                 writer.add_text("completions", "|reward|completion|\n|-|-|\n" + "\n".join(rows), step)
             if args.eval_every > 0 and (step % args.eval_every == 0 or step == args.steps):
                 log_evaluation(step)
-            if stop or step == args.steps or (args.save_every > 0 and step % args.save_every == 0):
+            stopping = all_sum(torch.tensor(float(len(stop)))).item() > 0  # every rank stops after the same step
+            if stopping or step == args.steps or (args.save_every > 0 and step % args.save_every == 0):
                 path = save_checkpoint(step)
             progress.set_postfix(reward=f"{charts['reward_mean']:.3f}", sec=f"{charts['step_seconds']:.1f}")
-            if stop:
+            if stopping:
                 break
     except Exception:  # a crash: the last complete checkpoint stays; say how to go on from it
         if path is not None:
@@ -709,7 +836,9 @@ def main(args: Args) -> None:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
     writer.close()
-    if stop:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if stopping:
         print(f"stopped after step {step}; resume with: {shlex.join(['python', sys.argv[0], '--resume', path])}")
     print(f"saved {path}")
     if 0 in accuracy:

@@ -1,0 +1,50 @@
+"""Run a script's main() with sampling and scoring replaced by fixed functions of the prompt, so that one process
+and several (under torchrun) train on exactly the same completions with the same rewards; SGD in place of AdamW, whose
+first step is nearly sign(g). Usage: python tests/fixed_rollouts.py grpo ARGS... (or under torchrun)."""
+
+import importlib
+import os
+import sys
+
+import torch
+import tyro
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MAX_NEW_TOKENS = 4
+
+
+def fixed_sample(model, tokenizer, prompt_ids, repeat, gen_config, eos_ids):
+    """What `sample` returns, for completions drawn from a generator seeded by the prompt: completion j of a group
+    starts with the digit j, then random digits, and ends with EOS at a random place, or not at all (truncated)."""
+    width, T, pad = max(len(ids) for ids in prompt_ids), MAX_NEW_TOKENS, tokenizer.pad_token_id
+    digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
+    rows, prompt_masks, completion_masks = [], [], []
+    for ids in prompt_ids:
+        generator = torch.Generator().manual_seed(sum((i + 1) * t for i, t in enumerate(ids)))
+        for j in range(repeat):
+            completion = [digits[j % 10]] + [digits[d] for d in torch.randint(0, 10, (T - 1,), generator=generator)]
+            end = int(torch.randint(1, T + 1, (1,), generator=generator))  # EOS at position `end`; T: truncated
+            if end < T:
+                completion[end] = eos_ids[0]
+            length = min(end + 1, T)
+            rows.append([pad] * (width - len(ids)) + ids + completion)
+            prompt_masks.append([0] * (width - len(ids)) + [1] * len(ids))
+            completion_masks.append([1] * length + [0] * (T - length))
+    completion_mask = torch.tensor(completion_masks)
+    attention_mask = torch.cat([torch.tensor(prompt_masks), completion_mask], 1)
+    truncated = completion_mask.sum(1) == T
+    device = next(model.parameters()).device
+    return torch.tensor(rows, device=device), attention_mask.to(device), completion_mask.to(device), truncated.to(device)
+
+
+def fixed_score(completions, answers, task, weights):
+    """Correctness 1 for a completion that starts with an even digit: every group of two or more has contrast."""
+    correct = torch.tensor([float(c[:1] in "02468") for c in completions])
+    return correct, {"correctness": correct}
+
+
+if __name__ == "__main__":
+    module = importlib.import_module(sys.argv[1])
+    module.sample, module.score = fixed_sample, fixed_score
+    torch.optim.AdamW = lambda params, lr: torch.optim.SGD(params, lr=lr)
+    module.main(tyro.cli(module.Args, args=sys.argv[2:] + ["--max-new-tokens", str(MAX_NEW_TOKENS)]))

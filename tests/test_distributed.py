@@ -1,0 +1,93 @@
+"""Each script under torchrun with FSDP2, two processes on CPU (gloo): the same update as one process, and a short
+run that logs once and writes one checkpoint that loads on one process."""
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, read_run
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+SCRIPTS = ["grpo", "gspo", "dapo", "ppo"]
+# completions per process: 2 prompts x 4 (PPO: 4 x 1); 3 per micro-batch, so the micro-batches are ragged
+BATCH = {"grpo": ["--num-prompts", "4", "--group-size", "4"], "gspo": ["--num-prompts", "4", "--group-size", "4"],
+         "dapo": ["--num-prompts", "4", "--group-size", "4", "--overlong-buffer", "0"],
+         "ppo": ["--num-prompts", "8", "--group-size", "1"]}
+TOLERANCE = 1e-6  # largest difference measured in a weight: 3.7e-9 to 7.5e-9 (float32 sums in another order)
+
+
+def launch(argv: list[str], cwd, processes: int) -> subprocess.CompletedProcess:
+    """`python argv...` alone, or under `torchrun --nproc_per_node processes`, one thread per process."""
+    launcher = [sys.executable] + (["-m", "torch.distributed.run", "--nproc_per_node", str(processes)] if processes > 1 else [])
+    result = subprocess.run(launcher + argv, cwd=cwd, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_two_processes_take_the_same_update_as_one(script, tiny_model, copy_task, tmp_path):
+    """Fixed completions and rewards (tests/fixed_rollouts.py), SGD at lr 0.1, two steps of one update each, KL on
+    (beta 0.1, DAPO 0) so the reference model is sharded too: the weights after two steps, and the logged rewards,
+    equal one process's. This covers GRPO's and GSPO's sample means, DAPO's token normaliser over both ranks' tokens
+    and its filter, and PPO's critic, GAE and advantage whitening over both ranks' tokens."""
+    argv = [os.path.join(ROOT, "tests", "fixed_rollouts.py"), script, "--model", tiny_model, "--task", copy_task,
+            "--steps", "2", "--eval-every", "0", "--output-dir", "ckpt", "--learning-rate", "0.1", "--num-minibatches",
+            "1", "--micro-batch-size", "3", "--beta", "0" if script == "dapo" else "0.1", *BATCH[script]]
+    weights, rewards = [], []
+    for processes in (1, 2):
+        (tmp_path / str(processes)).mkdir()
+        launch(argv, tmp_path / str(processes), processes)
+        (checkpoint,) = glob.glob(str(tmp_path / str(processes) / "ckpt" / "*" / "step_2"))
+        weights.append(load_file(os.path.join(checkpoint, "model.safetensors")))
+        rewards.append(read_run(str(tmp_path / str(processes)))[0]["charts/reward_mean"])
+    initial = load_file(os.path.join(tiny_model, "model.safetensors"))
+    assert max((weights[0][k] - initial[k]).abs().max().item() for k in initial) > 1e-3  # it trained
+    assert max((weights[0][k] - weights[1][k]).abs().max().item() for k in initial) < TOLERANCE
+    assert rewards[0] == rewards[1]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_two_process_run_logs_once_and_saves_one_checkpoint_that_loads_on_one_process(script, tiny_model, copy_task,
+                                                                                       tmp_path):
+    result = launch([os.path.join(ROOT, f"{script}.py"), "--model", tiny_model, "--task", copy_task, "--steps", "2",
+                     "--eval-every", "1", "--eval-prompts", "8", "--max-new-tokens", "4", "--output-dir", "ckpt",
+                     *BATCH[script]], tmp_path, 2)
+    assert result.stdout.count("held-out greedy accuracy:") == 1 and result.stdout.count("step 0: held-out") == 1
+    scalars, _ = read_run(str(tmp_path))  # exactly one TensorBoard run
+    assert [s for s, _ in scalars["charts/reward_mean"]] == [1, 2]
+    assert [s for s, _ in scalars["charts/eval_accuracy"]] == [0, 1, 2]
+    (checkpoint,) = glob.glob(str(tmp_path / "ckpt" / "*" / "*"))
+    assert checkpoint.endswith("step_2")
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    assert model(torch.tensor([[5, 6]])).logits.shape == (1, 2, model.config.vocab_size)
+    state = torch.load(os.path.join(checkpoint, "training_state.pt"), weights_only=True)
+    assert len(state["rng"]) == 2 and state["step"] == 2  # each rank's RNG state, to resume with as many
+
+
+@pytest.mark.parametrize("script", ["grpo", "ppo"])
+def test_a_two_process_run_resumes_to_the_same_weights(script, tiny_model, copy_task, tmp_path):
+    """Three steps under torchrun, against the same run resumed after step 1 (each process's RNG state restored,
+    the optimizer state re-sharded from the full copy, PPO's critic too): bit-identical weights after step 3."""
+    argv = [os.path.join(ROOT, f"{script}.py"), "--model", tiny_model, "--task", copy_task, "--steps", "3",
+            "--save-every", "1", "--keep-checkpoints", "0", "--eval-every", "0", "--max-new-tokens", "4",
+            "--learning-rate", "1e-3", "--output-dir", "ckpt", *BATCH[script]]
+    (tmp_path / "whole").mkdir()
+    launch(argv, tmp_path / "whole", 2)
+    (run_dir,) = glob.glob(str(tmp_path / "whole" / "ckpt" / "*"))
+    run = os.path.basename(run_dir)
+    shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
+    for step in (2, 3):
+        shutil.rmtree(tmp_path / "resumed" / "ckpt" / run / f"step_{step}")
+    launch([argv[0], "--resume", os.path.join("ckpt", run, "latest")], tmp_path / "resumed", 2)
+    states = [torch.load(os.path.join(root, "ckpt", run, "step_3", "training_state.pt"), weights_only=True)
+              for root in (tmp_path / "whole", tmp_path / "resumed")]
+    weights = [load_file(os.path.join(root, "ckpt", run, "step_3", "model.safetensors"))
+               for root in (tmp_path / "whole", tmp_path / "resumed")]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert all(torch.equal(states[0].get("critic", {})[k], v) for k, v in states[1].get("critic", {}).items())
