@@ -524,7 +524,7 @@ def gathered(model):
     finally:
         for m in modules:
             m.reshard()
-            m.set_reshard_after_forward(True, recurse=False)
+            m.set_reshard_after_forward(m is not model, recurse=False)  # FSDP2's default: only the root keeps its own
 
 
 class NullWriter:
