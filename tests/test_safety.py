@@ -169,3 +169,23 @@ def test_prompts_longer_than_max_prompt_tokens_are_reported(module, tiny_model, 
     argv = small_run(module, tiny_model, str(data), "--steps", "1", "--eval-every", "0", "--max-prompt-tokens", "6")
     train(module, tmp_path, argv, monkeypatch)
     assert "warning: 5 of 15 prompts are longer than --max-prompt-tokens 6" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+def test_a_crash_while_saving_leaves_no_checkpoint_that_looks_complete(module, tiny_model, tmp_path, monkeypatch):
+    """`save` writes into .tmp-step_N and renames it into place last: a crash while writing the training state leaves
+    the earlier checkpoint the newest complete one, and --resume .../latest finds it, not the half-written one."""
+    tokenizer, model = module.load_model(tiny_model, torch.device("cpu"))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    module.save(model, tokenizer, str(run_dir / "step_2"), model.state_dict(), {"step": 2}, keep=1)
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError, match="disk full"):
+        module.save(model, tokenizer, str(run_dir / "step_4"), model.state_dict(), {"step": 4}, keep=1)
+    assert sorted(os.listdir(run_dir)) == [".tmp-step_4", "step_2"]
+    (run_dir / "step_6").mkdir()  # a folder without training_state.pt (copied by hand, say) is not complete either
+    assert module.find_checkpoint(str(run_dir / "latest")) == str(run_dir / "step_2")
