@@ -47,6 +47,7 @@ import json
 import math
 import os
 import random
+import resource
 import shlex
 import shutil
 import signal
@@ -411,12 +412,15 @@ def rollouts(model, tokenizer, task: rewards.Task, args: Args, gen_config, eos_i
         completions = decode(tokenizer, input_ids[:, -T:], completion_mask)
         answers = [r["answer"] for r in picked for _ in range(args.group_size)]
 
-        # 3. score every completion; DAPO: the overlong penalty R_length(y) is added to the reward
+        # 3. score every completion (timed apart from sampling: charts/time_score); DAPO: the overlong penalty
+        # R_length(y) is added to the reward
+        score_start = time.time()
         reward, reward_parts = score(completions, answers, task, args.reward_weights)  # (B,)
         reward_parts["overlong"] = args.overlong_penalty * overlong_penalty(
             completion_mask.sum(1).cpu(), args.max_new_tokens, args.overlong_buffer)  # (B,)
         reward = reward + reward_parts["overlong"]
-        yield input_ids, attention_mask, completion_mask, truncated, completions, reward, reward_parts
+        score_seconds = time.time() - score_start
+        yield input_ids, attention_mask, completion_mask, truncated, completions, reward, reward_parts, score_seconds
 
 
 def has_contrast(correctness: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -436,9 +440,10 @@ def concat_rounds(rounds: list[tuple], pad_id: int) -> tuple:
         left, right = P - (input_ids.shape[1] - completion_mask.shape[1]), T - completion_mask.shape[1]
         padded.append((F.pad(input_ids, (left, right), value=pad_id), F.pad(attention_mask, (left, right)),
                        F.pad(completion_mask, (0, right)), *rest))
-    input_ids, attention_mask, completion_mask, truncated, completions, reward, reward_parts = zip(*padded)
+    input_ids, attention_mask, completion_mask, truncated, completions, reward, reward_parts, score_seconds = zip(*padded)
     return (torch.cat(input_ids), torch.cat(attention_mask), torch.cat(completion_mask), torch.cat(truncated),
-            sum(completions, []), torch.cat(reward), {k: torch.cat([p[k] for p in reward_parts]) for k in reward_parts[0]})
+            sum(completions, []), torch.cat(reward), {k: torch.cat([p[k] for p in reward_parts]) for k in reward_parts[0]},
+            sum(score_seconds))
 
 
 @torch.no_grad()
@@ -475,6 +480,13 @@ def save(model, tokenizer, path: str, weights: dict, state: dict, keep: int) -> 
     for old in saved[:-keep] if keep > 0 else []:
         if old != path:
             shutil.rmtree(old)
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """This process's peak memory so far: CUDA's most allocated, or on CPU the largest resident set (RSS)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def find_checkpoint(path: str) -> str:
@@ -672,9 +684,11 @@ def main(args: Args) -> None:
         return path
 
     def log_evaluation(step: int) -> None:
+        eval_start = time.time()
         with autocast:
             accuracy[step] = evaluate(model, tokenizer, eval_records[rank::world], task.correctness, args, eos_ids)
         writer.add_scalar("charts/eval_accuracy", accuracy[step], step)
+        writer.add_scalar("charts/time_eval", time.time() - eval_start, step)
         tqdm.write(f"step {step}: held-out greedy accuracy {accuracy[step]:.3f} on {len(eval_records)} prompts")
 
     if args.eval_every > 0 and state is None:
@@ -705,8 +719,8 @@ def main(args: Args) -> None:
                     if all_sum(torch.tensor(float(contrast < args.num_prompts // world))).item() == 0:
                         break
                     rounds.append(next(batches))
-            input_ids, attention_mask, completion_mask, truncated, completions, reward, reward_parts = concat_rounds(
-                rounds, tokenizer.pad_token_id)  # (N, P+T), (N, P+T), (N, T), (N,), N, (N,), (N,) each
+            input_ids, attention_mask, completion_mask, truncated, completions, reward, reward_parts, score_seconds = (
+                concat_rounds(rounds, tokenizer.pad_token_id))  # (N, P+T), (N, P+T), (N, T), (N,), N, (N,), (N,) each
             T = completion_mask.shape[1]
             sample_seconds = time.time() - step_start
 
@@ -721,6 +735,7 @@ def main(args: Args) -> None:
             kept = keep.repeat_interleave(args.group_size).nonzero().squeeze(1)  # (B,) row indices; fewer at the cap
 
             # 5. old log-probs (skipped when pi_old == pi_theta) and reference log-probs (only when beta > 0)
+            logprobs_start = time.time()
             old_logprobs = torch.zeros(len(reward), T, device=device)
             ref_logprobs = torch.zeros(len(reward), T, device=device)
             with torch.no_grad(), autocast:
@@ -731,7 +746,7 @@ def main(args: Args) -> None:
                         ref_logprobs[mb] = token_logprobs(ref_model, input_ids[mb], attention_mask[mb], T, args.temperature)[0]
 
             # 6. num_iterations passes, each num_minibatches optimizer steps, each in micro-batches
-            train_start, stats = time.time(), []
+            logprobs_seconds, train_start, stats = time.time() - logprobs_start, time.time(), []
             for _ in range(args.num_iterations if len(kept) > 0 else 0):  # DAPO: no update when no group has contrast
                 for minibatch in kept[torch.randperm(len(kept))].split(minibatch_size):
                     first = len(stats)  # this mini-batch's micro-batches are stats[first:]
@@ -777,7 +792,12 @@ def main(args: Args) -> None:
                 "learning_rate": scheduler.get_last_lr()[0],
                 "skipped_updates": skipped_updates,
                 "step_seconds": time.time() - step_start,
-                "sample_tokens_per_second": lengths.sum().item() / sample_seconds,
+                "time_sample": sample_seconds - score_seconds,  # the phases of the step, in seconds
+                "time_score": score_seconds,
+                "time_logprobs": logprobs_seconds,
+                "time_train": train_seconds,
+                "peak_memory_gb": across_ranks(peak_memory_gb(device), "max"),
+                "sample_tokens_per_second": lengths.sum().item() / (sample_seconds - score_seconds),
                 "train_tokens_per_second": args.num_iterations * all_sum(attention_mask[kept].sum()).item() / train_seconds,
             }
             for name, value in charts.items():

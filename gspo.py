@@ -44,6 +44,7 @@ import json
 import math
 import os
 import random
+import resource
 import shlex
 import shutil
 import signal
@@ -388,9 +389,11 @@ def rollouts(model, tokenizer, task: rewards.Task, args: Args, gen_config, eos_i
         completions = decode(tokenizer, input_ids[:, -T:], completion_mask)
         answers = [r["answer"] for r in picked for _ in range(args.group_size)]
 
-        # 3. score every completion
+        # 3. score every completion (timed apart from sampling: charts/time_score)
+        score_start = time.time()
         reward, reward_parts = score(completions, answers, task, args.reward_weights)  # (B,)
-        yield input_ids, attention_mask, completion_mask, truncated, completions, reward, reward_parts
+        score_seconds = time.time() - score_start
+        yield input_ids, attention_mask, completion_mask, truncated, completions, reward, reward_parts, score_seconds
 
 
 @torch.no_grad()
@@ -427,6 +430,13 @@ def save(model, tokenizer, path: str, weights: dict, state: dict, keep: int) -> 
     for old in saved[:-keep] if keep > 0 else []:
         if old != path:
             shutil.rmtree(old)
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """This process's peak memory so far: CUDA's most allocated, or on CPU the largest resident set (RSS)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def find_checkpoint(path: str) -> str:
@@ -624,9 +634,11 @@ def main(args: Args) -> None:
         return path
 
     def log_evaluation(step: int) -> None:
+        eval_start = time.time()
         with autocast:
             accuracy[step] = evaluate(model, tokenizer, eval_records[rank::world], task.correctness, args, eos_ids)
         writer.add_scalar("charts/eval_accuracy", accuracy[step], step)
+        writer.add_scalar("charts/time_eval", time.time() - eval_start, step)
         tqdm.write(f"step {step}: held-out greedy accuracy {accuracy[step]:.3f} on {len(eval_records)} prompts")
 
     if args.eval_every > 0 and state is None:
@@ -649,7 +661,8 @@ def main(args: Args) -> None:
             step_start = time.time()
             # 1.-3. take num_prompts prompts, sample G completions for each and score them (in `rollouts`)
             with autocast:
-                input_ids, attention_mask, completion_mask, truncated, completions, reward, reward_parts = next(batches)
+                (input_ids, attention_mask, completion_mask, truncated, completions, reward, reward_parts,
+                 score_seconds) = next(batches)
             T = completion_mask.shape[1]
             sample_seconds = time.time() - step_start
 
@@ -657,6 +670,7 @@ def main(args: Args) -> None:
             advantages = compute_advantages(reward, args.group_size).to(device)  # (B,)
 
             # 5. old log-probs (skipped when pi_old == pi_theta) and reference log-probs (only when beta > 0)
+            logprobs_start = time.time()
             old_logprobs = torch.zeros(B, T, device=device)
             ref_logprobs = torch.zeros(B, T, device=device)
             with torch.no_grad(), autocast:
@@ -667,7 +681,7 @@ def main(args: Args) -> None:
                         ref_logprobs[mb] = token_logprobs(ref_model, input_ids[mb], attention_mask[mb], T, args.temperature)[0]
 
             # 6. num_iterations passes, each num_minibatches optimizer steps, each in micro-batches
-            train_start, stats = time.time(), []
+            logprobs_seconds, train_start, stats = time.time() - logprobs_start, time.time(), []
             for _ in range(args.num_iterations):
                 for minibatch in torch.randperm(B).split(minibatch_size):
                     first = len(stats)  # this mini-batch's micro-batches are stats[first:]
@@ -711,7 +725,12 @@ def main(args: Args) -> None:
                 "learning_rate": scheduler.get_last_lr()[0],
                 "skipped_updates": skipped_updates,
                 "step_seconds": time.time() - step_start,
-                "sample_tokens_per_second": lengths.sum().item() / sample_seconds,
+                "time_sample": sample_seconds - score_seconds,  # the phases of the step, in seconds
+                "time_score": score_seconds,
+                "time_logprobs": logprobs_seconds,
+                "time_train": train_seconds,
+                "peak_memory_gb": across_ranks(peak_memory_gb(device), "max"),
+                "sample_tokens_per_second": lengths.sum().item() / (sample_seconds - score_seconds),
                 "train_tokens_per_second": args.num_iterations * all_sum(attention_mask.sum()).item() / train_seconds,
             }
             for name, value in charts.items():

@@ -30,7 +30,8 @@ SHARED_METRICS = [
     "charts/sample_tokens_per_second", "charts/train_tokens_per_second", "losses/policy_loss",
     "losses/clip_fraction", "losses/ratio_mean", "losses/ratio_min", "losses/ratio_max", "losses/entropy",
     "losses/grad_norm", "losses/token_log_ratio_std", "losses/seq_log_ratio_std", "charts/reward_errors",
-    "charts/skipped_updates",
+    "charts/skipped_updates", "charts/time_sample", "charts/time_score", "charts/time_logprobs", "charts/time_train",
+    "charts/time_eval", "charts/peak_memory_gb",
 ]
 OWN_METRICS = {
     "grpo.py": ["charts/zero_std_fraction", "losses/kl"],
