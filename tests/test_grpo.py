@@ -110,7 +110,8 @@ class FixedGenerator(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.zeros(1))
         self.completions = torch.tensor(completions)
 
-    def generate(self, input_ids, attention_mask, generation_config):
+    def generate(self, input_ids, attention_mask, generation_config, synced_gpus):
+        assert synced_gpus is False  # ranks decode on their own (the weights are gathered first)
         return torch.cat([input_ids, self.completions], 1)
 
 
