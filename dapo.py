@@ -726,9 +726,8 @@ def main(args: Args) -> None:
 
             # 4. group-relative advantages; DAPO: train on the first num_prompts groups with 0 < #correct < G
             advantages = compute_advantages(reward, args.group_size).to(device)  # (N,)
-            groups = reward.view(-1, args.group_size)  # (N / G, G)
             keep = (has_contrast(reward_parts["correctness"], args.group_size) if args.dynamic_sampling
-                    else torch.ones(len(groups), dtype=torch.bool))  # (N / G,)
+                    else torch.ones(len(reward) // args.group_size, dtype=torch.bool))  # (N / G,)
             # each rank's share of num_prompts; at the cap, as many as the rank with the fewest, so all run the same passes
             share = int(across_ranks(min(keep.sum().item(), args.num_prompts // world), "min"))
             keep &= keep.cumsum(0) <= share
@@ -778,6 +777,7 @@ def main(args: Args) -> None:
             # 7. log (over every rank's completions), evaluate, save
             lengths = all_gather(completion_mask.sum(1).float())  # (N * world,)
             rewards_all = all_gather(reward)  # (N * world,)
+            groups = rewards_all.view(-1, args.group_size)
             charts = {
                 "reward_mean": rewards_all.mean().item(),
                 "reward_std": rewards_all.std().item(),
@@ -785,7 +785,7 @@ def main(args: Args) -> None:
                 "completion_length_mean": lengths.mean().item(),
                 "completion_length_max": lengths.max().item(),
                 "truncated_fraction": all_gather(truncated.float()).mean().item(),
-                "zero_std_fraction": (rewards_all.view(-1, args.group_size).std(1) == 0).float().mean().item(),
+                "zero_std_fraction": (groups.std(1) == 0).float().mean().item(),
                 "sampling_rounds": len(rounds),  # DAPO: dynamic sampling
                 "filtered_fraction": across_ranks(1 - keep.float().mean().item()),  # DAPO: sampled groups not trained on
                 "kept_groups": all_sum(keep.sum()).item(),  # DAPO: fewer than num_prompts when max_sampling_rounds was reached
