@@ -43,6 +43,7 @@ import contextlib
 import copy
 import glob
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -65,7 +66,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
 import rewards
 
@@ -298,21 +299,65 @@ def decode(tokenizer, completion_ids, completion_mask) -> list[str]:
     return [tokenizer.decode(ids[:n], skip_special_tokens=True) for ids, n in zip(completion_ids.tolist(), lengths)]
 
 
-def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float):
-    """log pi(token) for the last `num_completion_tokens` tokens of each row, and the entropy there.
+def completion_outputs(model, input_ids, attention_mask, num_completion_tokens: int):
+    """model(...)[0] (an LM's logits, or a backbone's hidden states) at the positions that predict the last
+    `num_completion_tokens` tokens of each row: (B, L, .), L the longest completion here (padding beyond is not computed).
 
-    Only the completion positions get logits (`logits_to_keep`), and log p = logit - logsumexp(logits)
-    avoids a full log_softmax copy; call it on micro-batches to bound the (B, T, V) logits."""
+    Rows with the same prompt (a group) share one pass over it: each distinct prompt runs once, and its keys and values
+    serve all its completions, the gradient flowing back through them, so outputs and gradients equal those of one
+    pass over each whole row (a test checks both) at a fraction of the work: a prompt is often longer than its answer."""
+    P = input_ids.shape[1] - num_completion_tokens  # prompts are left-padded to P, completions right-padded
+    L = int(attention_mask[:, P:].sum(1).max())  # (the longest completion in these rows)
+    prompts, prompt_index = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], 1), dim=0, return_inverse=True)
+    prompt_ids, prompt_mask = prompts[:, :P], prompts[:, P:]  # (U, P): the distinct prompts; row b's is prompt_index[b]
+    keep = prompt_mask.any(0)  # columns that are padding in every prompt here are dropped
+    prompt_ids, prompt_mask = prompt_ids[:, keep], prompt_mask[:, keep]  # (U, P')
+    completion_ids, completion_mask = input_ids[:, P : P + L], attention_mask[:, P : P + L]  # (B, L)
+    lm_head = model.get_output_embeddings() is not None  # an LM: logits only where they are needed
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # (renamed)
+    checkpointed = any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
+    if checkpointed and torch.is_grad_enabled():  # checkpointed layers drop a cache: whole rows instead
+        mask = torch.cat([prompt_mask[prompt_index], completion_mask], 1)  # (B, P'+L)
+        out = model(input_ids=torch.cat([prompt_ids[prompt_index], completion_ids], 1), attention_mask=mask,
+                    position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=False,
+                    **({"logits_to_keep": L + 1} if lm_head else {}))
+        return out[0][:, -L - 1 : -1]
+    cache = DynamicCache()  # 1. the prompts, once each; the last position predicts the first completion token
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
+                use_cache=True, **{cache_arg: cache}, **({"logits_to_keep": 1} if lm_head else {}))
+    first = out[0][prompt_index, -1:]  # (B, 1, .)
+    if L == 1:
+        return first
+    cache.batch_select_indices(prompt_index)  # 2. each row's prompt keys and values (B, ., P', .), then the completions
+    mask = torch.cat([prompt_mask[prompt_index], completion_mask[:, :-1]], 1)  # (B, P'+L-1)
+    positions = prompt_mask.sum(1)[prompt_index, None] + torch.arange(L - 1, device=input_ids.device)  # (B, L-1)
+    out = model(input_ids=completion_ids[:, :-1], attention_mask=mask, position_ids=positions, use_cache=True,
+                **{cache_arg: cache})
+    return torch.cat([first, out[0]], 1)  # (B, L, .)
+
+
+def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float):
+    """log pi(token) for the last `num_completion_tokens` tokens of each row, and the entropy there (B, T); 0 on the
+    padding past the longest completion. log p = logit - logsumexp(logits) avoids a full log_softmax copy; call it on
+    micro-batches to bound the (B, T, V) logits."""
     T = num_completion_tokens
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: positions start at 0
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1)
-    logits = out.logits[:, :-1].float() / temperature  # (B, T, V): position t predicts token t+1
-    targets = input_ids[:, -T:]  # (B, T)
-    logsumexp = torch.logsumexp(logits, -1)  # (B, T)
-    logprobs = logits.gather(-1, targets[..., None]).squeeze(-1) - logsumexp  # (B, T)
+    logits = completion_outputs(model, input_ids, attention_mask, T).float() / temperature  # (B, L, V)
+    L = logits.shape[1]
+    targets = input_ids[:, -T:][:, :L]  # (B, L)
+    logsumexp = torch.logsumexp(logits, -1)  # (B, L)
+    logprobs = logits.gather(-1, targets[..., None]).squeeze(-1) - logsumexp  # (B, L)
     with torch.no_grad():  # H = logsumexp - sum_v p_v * logit_v, for logging only
-        entropy = logsumexp - (torch.softmax(logits, -1) * logits).sum(-1)  # (B, T)
-    return logprobs, entropy
+        entropy = logsumexp - (torch.softmax(logits, -1) * logits).sum(-1)  # (B, L)
+    return F.pad(logprobs, (0, T - L)), F.pad(entropy, (0, T - L))  # (B, T)
+
+
+def micro_batches(indices: torch.Tensor, completion_mask: torch.Tensor, group_size: int, size: int) -> tuple:
+    """`indices` in micro-batches of `size`: whole groups together (their prompt runs once in completion_outputs),
+    groups of similar length together (each micro-batch is cut to its longest completion). The order changes
+    nothing but the rounding: a mini-batch's gradient is the sum over its micro-batches."""
+    longest = completion_mask.sum(1).cpu().view(-1, group_size).max(1).values  # (N / G,): each group's longest completion
+    key = longest[indices // group_size] * len(completion_mask) + indices  # by that length, then by group
+    return indices[key.argsort()].split(size)
 
 
 def compute_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
@@ -738,7 +783,7 @@ def main(args: Args) -> None:
             old_logprobs = torch.zeros(len(reward), T, device=device)
             ref_logprobs = torch.zeros(len(reward), T, device=device)
             with torch.no_grad(), autocast:
-                for mb in kept.split(args.micro_batch_size):
+                for mb in micro_batches(kept, completion_mask, args.group_size, args.micro_batch_size):
                     if not reuse_logprobs and len(mb) > 0:
                         old_logprobs[mb] = token_logprobs(model, input_ids[mb], attention_mask[mb], T, args.temperature)[0]
                     if ref_model is not None and len(mb) > 0:
@@ -749,7 +794,7 @@ def main(args: Args) -> None:
             for _ in range(args.num_iterations if len(kept) > 0 else 0):  # DAPO: no update when no group has contrast
                 for minibatch in kept[torch.randperm(len(kept))].split(minibatch_size):
                     first = len(stats)  # this mini-batch's micro-batches are stats[first:]
-                    for mb in minibatch.split(args.micro_batch_size):
+                    for mb in micro_batches(minibatch, completion_mask, args.group_size, args.micro_batch_size):
                         with autocast:  # the forward pass in the compute dtype; the loss and backward outside it
                             logprobs, entropy = token_logprobs(model, input_ids[mb], attention_mask[mb], T, args.temperature)
                         old = logprobs.detach() if reuse_logprobs else old_logprobs[mb]

@@ -146,9 +146,9 @@ def test_positive_advantage_raises_probability_of_sampled_tokens(model_and_token
 
 def test_gradient_checkpointing_recomputes_the_forward_in_the_backward_pass(tiny_model):
     """HF checkpoints activations only in train mode: load_model must leave the model in it, or
-    --gradient-checkpointing would silently save nothing. A checkpointed layer runs its modules twice."""
+    --gradient-checkpointing would silently save nothing. A checkpointed layer runs its modules again in the backward."""
     ids, attention = torch.tensor([[5, 6, 7, 8]]), torch.ones(1, 4, dtype=torch.long)
-    forwards = []
+    recomputed = []
     for checkpointing in (False, True):
         _, model = grpo.load_model(tiny_model, torch.device("cpu"))
         if checkpointing:
@@ -156,9 +156,10 @@ def test_gradient_checkpointing_recomputes_the_forward_in_the_backward_pass(tiny
         calls = []  # the attention's pre-hook runs again when the layer is recomputed
         model.model.layers[0].self_attn.register_forward_pre_hook(lambda module, inputs, calls=calls: calls.append(1))
         logprobs, _ = grpo.token_logprobs(model, ids, attention, 2, 1.0)
+        forwards = len(calls)
         logprobs.sum().backward()
-        forwards.append(len(calls))
-    assert forwards == [1, 2]
+        recomputed.append(len(calls) - forwards)
+    assert recomputed == [0, 1]
 
 
 def test_dropout_is_off_so_log_probs_repeat(tiny_model, tmp_path):

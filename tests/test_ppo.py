@@ -115,7 +115,10 @@ def test_critic_starts_at_zero_and_ignores_left_padding(tiny_model):
     values = critic(ids, attention, 2)  # (2, 2): the states before each of the last 2 tokens
     unpadded = critic(torch.tensor([[11, 12, 13]]), torch.ones(1, 3, dtype=torch.long), 2)
     assert torch.allclose(values[1], unpadded[0], atol=1e-5)
-    # position t of the output is the state before completion token t: the hidden state of the token before it
-    hidden = policy.base_model(input_ids=ids[:1]).last_hidden_state
-    assert torch.allclose(values[0], critic.head(hidden[0, -3:-1]).squeeze(-1), atol=1e-5)
+    # position t of the output is the state before completion token t: the hidden state of the token before it, also
+    # for a row that shares its prompt (computed once) with another
+    shared = critic(torch.cat([ids, torch.tensor([[5, 6, 7, 8, 14, 15]])]), torch.cat([attention, torch.ones(1, 6).long()]), 2)
+    for i, row in [(0, [5, 6, 7, 8, 9, 10]), (2, [5, 6, 7, 8, 14, 15])]:
+        hidden = policy.base_model(input_ids=torch.tensor([row])).last_hidden_state
+        assert torch.allclose(shared[i], critic.head(hidden[0, -3:-1]).squeeze(-1), atol=1e-5)
     assert all(torch.equal(a, b) for a, b in zip(critic.backbone.parameters(), policy.base_model.parameters()))

@@ -53,6 +53,49 @@ def test_greedy_sampling_ignores_the_checkpoints_generation_config(module, model
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["shared_prompt", "gradient_checkpointing"])
+def test_each_prompt_computed_once_gives_the_log_probs_and_gradients_of_whole_rows(module, checkpointing, tiny_model):
+    """Two groups of 3 (prompts of 4 and 2 tokens, left-padded; completions of 1 to 5 tokens, right-padded): log-probs
+    and gradients through the shared prompt pass must equal one plain pass over each whole row."""
+    _, model = module.load_model(tiny_model, CPU)
+    if checkpointing:  # checkpointed layers drop a cache, so then the rows run whole
+        model.gradient_checkpointing_enable()
+    prompts, prompt_mask = [[5, 6, 7, 8], [0, 0, 9, 10]], [[1, 1, 1, 1], [0, 0, 1, 1]]
+    lengths = [3, 2, 5, 2, 3, 1]  # completion lengths; the token after the last real one is padding (0)
+    completions = [[11 + i + t if t < n else 0 for t in range(5)] for i, n in enumerate(lengths)]
+    ids = torch.tensor([prompts[i // 3] + c for i, c in enumerate(completions)])  # (6, 9)
+    attention = torch.tensor([prompt_mask[i // 3] + [int(t < n) for t in range(5)] for i, n in enumerate(lengths)])
+    mask = attention[:, 4:].float()  # (6, 5)
+    weights = torch.arange(1.0, 7.0)[:, None] * mask  # a different weight per row, so a mixed-up row would show
+
+    def plain():
+        logits = model(input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(-1) - 1).clamp(min=0)).logits
+        return torch.log_softmax(logits[:, -6:-1] / 0.7, -1).gather(-1, ids[:, -5:, None]).squeeze(-1)  # (6, 5)
+
+    results = []
+    for compute in (plain, lambda: module.token_logprobs(model, ids, attention, 5, 0.7)[0]):
+        model.zero_grad()
+        logprobs = compute()
+        (logprobs * weights).sum().backward()
+        results.append((logprobs.detach() * mask, torch.cat([p.grad.flatten() for p in model.parameters()])))
+    (expected, expected_grad), (got, got_grad) = results
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert torch.allclose(got_grad, expected_grad, atol=1e-4 * expected_grad.abs().max().item())
+    rows = torch.tensor([0, 4, 5])  # a micro-batch with one row of the first group and two of the second
+    with torch.no_grad():
+        assert torch.allclose(module.token_logprobs(model, ids[rows], attention[rows], 5, 0.7)[0] * mask[rows],
+                              expected[rows], atol=1e-5)
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+def test_micro_batches_keep_groups_whole_and_lengths_together(module):
+    lengths = torch.tensor([3, 9, 1, 1, 2, 2, 8, 1])  # groups of 2: longest 9, 1, 2, 8
+    mask = (torch.arange(10)[None] < lengths[:, None]).long()  # (8, 10)
+    batches = module.micro_batches(torch.tensor([7, 0, 1, 2, 3, 4, 5, 6]), mask, 2, 4)
+    assert [b.tolist() for b in batches] == [[2, 3, 4, 5], [6, 7, 0, 1]]  # by the group's longest, then by index
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
 def test_config_dropout_is_off_so_log_probs_repeat(module, tiny_model, tmp_path):
     """Llama's attention reads config.attention_dropout itself in train mode (no nn.Dropout module to switch off)."""
     config = LlamaConfig(vocab_size=21, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
