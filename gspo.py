@@ -758,6 +758,11 @@ def main(args: Args) -> None:
 
             # 7. log (over every rank's completions), evaluate, save
             lengths = all_gather(completion_mask.sum(1).float())  # (B * world,)
+            # the work in tokens through the model, each prompt once per group, no padding: 2 x parameters FLOPs per
+            # sampled token and per token of each forward-only pass (old, reference), 6 x parameters per trained token
+            sampled_tokens = all_sum(attention_mask[:: args.group_size, :-T].sum() + completion_mask.sum()).item()
+            trained_tokens = sampled_tokens  # every sampled completion is trained on
+            forward_passes = int(not reuse_logprobs) + int(ref_model is not None)
             rewards_all = all_gather(reward)  # (B * world,)
             groups = rewards_all.view(-1, args.group_size)
             charts = {
@@ -777,7 +782,10 @@ def main(args: Args) -> None:
                 "time_train": train_seconds,
                 "peak_memory_gb": across_ranks(peak_memory_gb(device), "max"),
                 "sample_tokens_per_second": lengths.sum().item() / (sample_seconds - score_seconds),
-                "train_tokens_per_second": args.num_iterations * all_sum(attention_mask.sum()).item() / train_seconds,
+                "tokens_sampled": sampled_tokens,
+                "tokens_forward": forward_passes * trained_tokens,
+                "tokens_trained": args.num_iterations * trained_tokens,
+                "train_tokens_per_second": args.num_iterations * trained_tokens / train_seconds,
             }
             for name, value in charts.items():
                 writer.add_scalar(f"charts/{name}", value, step)

@@ -31,7 +31,7 @@ SHARED_METRICS = [
     "losses/clip_fraction", "losses/ratio_mean", "losses/ratio_min", "losses/ratio_max", "losses/entropy",
     "losses/grad_norm", "losses/token_log_ratio_std", "losses/seq_log_ratio_std", "charts/reward_errors",
     "charts/skipped_updates", "charts/time_sample", "charts/time_score", "charts/time_logprobs", "charts/time_train",
-    "charts/time_eval", "charts/peak_memory_gb",
+    "charts/time_eval", "charts/peak_memory_gb", "charts/tokens_sampled", "charts/tokens_forward", "charts/tokens_trained",
 ]
 OWN_METRICS = {
     "grpo.py": ["charts/zero_std_fraction", "losses/kl"],
@@ -92,6 +92,9 @@ def test_two_step_run_logs_metrics_and_saves_a_loadable_checkpoint(script, tiny_
         assert tag in scalars, tag
         assert all(torch.isfinite(torch.tensor(v)) for _, v in scalars[tag])
     assert [s for s, _ in scalars["charts/reward_mean"]] == [1, 2]
+    if script != "dapo.py":  # 4 one-token prompts, each counted once, and 16 completions (DAPO may sample more rounds)
+        for (_, tokens), (_, length) in zip(scalars["charts/tokens_sampled"], scalars["charts/completion_length_mean"]):
+            assert tokens == pytest.approx(4 + 16 * length)
     assert [s for s, _ in scalars["charts/eval_accuracy"]] == [0, 1, 2]
     first, last = scalars["charts/eval_accuracy"][0][1], scalars["charts/eval_accuracy"][-1][1]
     assert f"held-out greedy accuracy: {first:.3f} before training -> {last:.3f} after 2 steps" in result.stdout
