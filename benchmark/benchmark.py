@@ -1,0 +1,247 @@
+"""The four algorithms side by side: the same model, task, seeds and completions per step, in one output folder with a
+markdown table (table.md) and a figure (figure.png). It runs the scripts as a user does and reads back what they log
+to TensorBoard (charts/time_*, charts/tokens_*, the rewards and losses); it re-implements nothing of them.
+
+    python benchmark/benchmark.py                                 # CPU preset: SmolLM2-135M-Instruct, arithmetic, seed 1
+    python benchmark/benchmark.py --preset gpu                    # Qwen2.5-0.5B-Instruct, 128 completions a step, 1 GPU
+    python benchmark/benchmark.py --seeds 1 2 3 --scripts grpo gspo   # any subset, any seeds
+    python benchmark/benchmark.py --report-only --out benchmark/cpu   # redraw the table and figure from runs there
+
+Floating-point work per step, from the logged token counts (each prompt counted once per group, no padding; the
+work that is needed, whatever the script computes): 2 x N FLOPs per sampled token and per token of each forward-only
+pass (old, reference, PPO's values), 6 x N per trained token, N the parameters that multiply (the LM head included,
+the input embedding, a lookup, not), plus attention, 4 x layers x width x context per token forward (x3 trained),
+at the mean context (prompt + half the completion). PPO's critic is counted as a copy of the policy, though it has no
+LM head (28M of SmolLM2's 135M), so PPO's work is overstated by up to a tenth. The fraction of peak divides that work
+by the time it took and by the peak measured here, before the runs, with a large matmul in the runs' dtype and threads.
+"""
+
+import glob
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import tyro
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = ["grpo", "gspo", "dapo", "ppo"]
+PRESETS = {  # per preset: arguments for every script, for each script, runs at once, threads per run, matmul dtype
+    "cpu": {"common": [], "own": {}, "parallel": 2, "threads": 1, "dtype": torch.float32},
+    "gpu": {"common": ["--model", "Qwen/Qwen2.5-0.5B-Instruct", "--difficulty", "2", "--max-new-tokens", "128",
+                       "--micro-batch-size", "32", "--eval-prompts", "256"],
+            "own": {name: ["--num-prompts", "16", "--group-size", "8"] for name in ["grpo", "gspo", "dapo"]}
+            | {"ppo": ["--num-prompts", "128"]}, "parallel": 1, "threads": 0, "dtype": torch.bfloat16},
+}
+PHASES = ["time_sample", "time_score", "time_logprobs", "time_train"]
+
+
+@dataclass
+class Args:
+    preset: Literal["cpu", "gpu"] = "cpu"
+    """cpu: SmolLM2-135M-Instruct with each script's defaults (16 completions a step), two runs at a time, one thread
+    each; gpu: Qwen2.5-0.5B-Instruct, 128 completions of up to 128 tokens a step, one run at a time"""
+    scripts: list[str] = field(default_factory=lambda: list(SCRIPTS))
+    """which scripts to run"""
+    seeds: list[int] = field(default_factory=lambda: [1])
+    """seeds; every script runs once per seed"""
+    out: str = ""
+    """output folder (default benchmark/{preset}): one folder per run, table.md and figure.png"""
+    extra: str = ""
+    """more arguments for every script, in one string after an =, e.g. --extra='--steps 10 --eval-prompts 32'"""
+    report_only: bool = False
+    """do not run anything: write the table and figure from the runs already in --out"""
+
+
+def matmul_peak(dtype: torch.dtype, threads: int) -> float:
+    """FLOP/s of a large square matmul in `dtype` with `threads` threads (all when 0): the machine's usable peak."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if threads:
+        torch.set_num_threads(threads)
+    n = 8192 if device == "cuda" else 2048
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def run_all(args: Args, preset: dict) -> None:
+    """Every (script, seed) in its own folder under --out (runs/, checkpoints/, log.txt), `parallel` at a time."""
+    def run(job):
+        name, seed = job
+        folder = os.path.join(args.out, f"{name}_s{seed}")
+        os.makedirs(folder, exist_ok=True)
+        argv = [sys.executable, os.path.join(ROOT, f"{name}.py"), "--seed", str(seed), *preset["common"],
+                *preset["own"].get(name, []), *shlex.split(args.extra)]
+        env = {**os.environ, **({"OMP_NUM_THREADS": str(preset["threads"])} if preset["threads"] else {})}
+        start = time.time()
+        with open(os.path.join(folder, "log.txt"), "w") as log:
+            code = subprocess.run(argv, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        with open(os.path.join(folder, "run.json"), "w") as f:
+            json.dump({"command": " ".join(argv[1:]), "returncode": code, "wall_seconds": time.time() - start}, f)
+        print(f"{name} seed {seed}: exit {code} after {(time.time() - start) / 60:.1f} min")
+
+    with ThreadPoolExecutor(preset["parallel"]) as pool:
+        list(pool.map(run, [(name, seed) for name in args.scripts for seed in args.seeds]))
+
+
+def matmul_parameters(model: str) -> tuple[int, int, int]:
+    """N (parameters that multiply: the LM head in, the input embedding out), layers and width of `model`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sys.path.insert(0, ROOT)
+    from grpo import resolve_model  # the default model resolves to its offline GGUF copy, as in the scripts
+
+    path, kwargs = resolve_model(model), {}
+    if path.endswith(".gguf"):
+        path, kwargs["gguf_file"] = os.path.split(os.path.abspath(path))
+    config = AutoConfig.from_pretrained(path, **kwargs)
+    with torch.device("meta"):
+        net = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in net.parameters())
+    embedding = net.get_input_embeddings().weight
+    tied = net.get_output_embeddings().weight is embedding
+    return total - (0 if tied else embedding.numel()), config.num_hidden_layers, config.hidden_size
+
+
+def read_runs(out: str) -> list[dict]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    runs = []
+    for folder in sorted(glob.glob(os.path.join(out, "*_s*"))):
+        logs = glob.glob(os.path.join(folder, "runs", "*"))
+        if not logs:
+            continue
+        events = EventAccumulator(logs[0], size_guidance={"scalars": 0, "tensors": 0})
+        events.Reload()
+        scalars = {tag: [(e.step, e.value, e.wall_time) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+        table = events.Tensors("hyperparameters/text_summary")[0].tensor_proto.string_val[0].decode()
+        hyper = dict(re.findall(r"^\|(\w+)\|(.*)\|$", table, re.M))
+        name, seed = os.path.basename(folder).rsplit("_s", 1)
+        runs.append({"script": name, "seed": int(seed), "scalars": scalars, "args": hyper})
+    return runs
+
+
+def series(run: dict, tag: str) -> list[float]:
+    return [v for _, v, _ in run["scalars"].get(tag, [])]
+
+
+def step_work(run: dict, n: int, layers: int, width: int) -> dict[str, float]:
+    """Mean FLOPs per step of each phase (sample, forward, train), from the logged token counts."""
+    s, args = run["scalars"], run["args"]
+    completions = int(args["num_prompts"]) * int(args["group_size"])
+    rounds = statistics.mean(series(run, "charts/sampling_rounds") or [1])  # DAPO samples several rounds
+    completion = statistics.mean(series(run, "charts/completion_length_mean"))
+    prompt = (statistics.mean(series(run, "charts/tokens_sampled")) / (completions * rounds) - completion) * int(args["group_size"])
+    per_token = 2 * n + 4 * layers * width * (prompt + completion / 2)  # forward FLOPs per token
+    return {phase: factor * per_token * statistics.mean(series(run, f"charts/tokens_{phase}"))
+            for phase, factor in [("sampled", 1), ("forward", 1), ("trained", 3)] if s.get(f"charts/tokens_{phase}")}
+
+
+def report(args: Args, peak: float) -> str:
+    runs = read_runs(args.out)
+    if not runs:
+        raise SystemExit(f"error: no runs in {args.out}")
+    n, layers, width = matmul_parameters(runs[0]["args"]["model"])
+    lines = [f"Peak: {peak / 1e9:.1f} GFLOP/s (a {str(PRESETS[args.preset]['dtype'])[6:]} matmul, "
+             f"{PRESETS[args.preset]['threads'] or 'all'} thread(s)); N = {n / 1e6:.1f}M parameters that multiply.", "",
+             "| script | seed | held-out accuracy, first -> last eval | steps | wall min | s/step | sample / score / logprobs"
+             " / train s | sampled tok/s | trained tok/s | peak GB | GFLOP/step sample / forward / train | % peak: step, train |",
+             "|" + "---|" * 12]
+    for run in sorted(runs, key=lambda r: (SCRIPTS.index(r["script"]) if r["script"] in SCRIPTS else 9, r["seed"])):
+        accuracy, steps = series(run, "charts/eval_accuracy"), series(run, "charts/step_seconds")
+        mean = lambda tag: statistics.mean(series(run, tag))
+        work = step_work(run, n, layers, width)
+        flops = sum(work.values())
+        made = os.path.join(args.out, f"{run['script']}_s{run['seed']}", "run.json")  # written by run_all
+        wall = json.load(open(made))["wall_seconds"] if os.path.exists(made) else float("nan")
+        phases = " / ".join(f"{mean('charts/' + p):.1f}" for p in PHASES)
+        gflops = " / ".join(f"{work.get(k, 0) / 1e9:.3g}" for k in ["sampled", "forward", "trained"])
+        lines.append(
+            f"| {run['script']} | {run['seed']} | {accuracy[0]:.3f} -> {accuracy[-1]:.3f} | {len(steps)} | {wall / 60:.1f} | "
+            f"{statistics.mean(steps):.1f} | {phases} | {mean('charts/sample_tokens_per_second'):.0f} | "
+            f"{mean('charts/train_tokens_per_second'):.0f} | {max(series(run, 'charts/peak_memory_gb')):.1f} | {gflops} | "
+            f"{100 * flops / statistics.mean(steps) / peak:.0f}%, {100 * work['trained'] / mean('charts/time_train') / peak:.0f}% |")
+    figure(runs, os.path.join(args.out, "figure.png"))
+    return "\n".join(lines) + "\n"
+
+
+def figure(runs: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {name: f"C{i}" for i, name in enumerate(SCRIPTS)}
+    panels = [("charts/reward_mean", "reward (sampled)", False), ("charts/eval_accuracy", "held-out greedy accuracy", False),
+              ("charts/eval_accuracy", "held-out accuracy vs wall-clock s", True),
+              ("charts/completion_length_mean", "completion length (tokens)", False),
+              ("losses/clip_fraction", "clip fraction (tokens)", False),
+              ("losses/token_log_ratio_std", "log-ratio std: token (solid), sequence (dashed)", False)]
+    fig, axes = plt.subplots(2, 4, figsize=(20, 8.5))
+    for ax, (tag, title, wall) in zip(axes.flat, panels):
+        for run in runs:
+            points = run["scalars"].get(tag, [])
+            start = min(w for values in run["scalars"].values() for _, _, w in values)
+            x = [w - start if wall else s for s, _, w in points]
+            label = run["script"] if run["seed"] == min(r["seed"] for r in runs if r["script"] == run["script"]) else None
+            ax.plot(x, [v for _, v, _ in points], color=colors.get(run["script"]), label=label, marker="." if "eval" in tag else None)
+            if tag == "losses/token_log_ratio_std":
+                ax.plot([s for s, _, _ in run["scalars"].get("losses/seq_log_ratio_std", [])],
+                        series(run, "losses/seq_log_ratio_std"), color=colors.get(run["script"]), linestyle="--")
+        ax.set_title(title)
+        ax.set_xlabel("seconds" if wall else "step")
+    axes.flat[0].legend()
+    scripts = list(dict.fromkeys(r["script"] for r in runs))
+    ax = axes.flat[6]  # the time of a step, split into its phases (mean over steps and seeds)
+    bottom = [0.0] * len(scripts)
+    for i, phase in enumerate(PHASES):
+        heights = [statistics.mean(v for r in runs if r["script"] == s for v in series(r, f"charts/{phase}")) for s in scripts]
+        ax.bar(scripts, heights, bottom=bottom, label=phase[5:], color=f"C{4 + i}")  # not the scripts' colours
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set_title("seconds per step, by phase")
+    ax.legend()
+    ax = axes.flat[7]
+    for i, (tag, label) in enumerate([("charts/sample_tokens_per_second", "sampled"), ("charts/train_tokens_per_second", "trained")]):
+        values = [statistics.mean(v for r in runs if r["script"] == s for v in series(r, tag)) for s in scripts]
+        ax.bar([j + 0.4 * i for j in range(len(scripts))], values, width=0.4, label=label, color=f"C{8 + i}")
+    ax.set_xticks([j + 0.2 for j in range(len(scripts))], scripts)
+    ax.set_title("tokens per second")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+def main(args: Args) -> None:
+    if not set(args.scripts) <= set(SCRIPTS) or not args.seeds:
+        raise SystemExit(f"error: --scripts must be among {' '.join(SCRIPTS)}, with at least one --seeds")
+    args.out = args.out or os.path.join(ROOT, "benchmark", args.preset)
+    preset = PRESETS[args.preset]
+    os.makedirs(args.out, exist_ok=True)
+    peak_file = os.path.join(args.out, "peak.json")
+    if not args.report_only:
+        with open(peak_file, "w") as f:  # measured before the runs, on the idle machine
+            json.dump({"flops": matmul_peak(preset["dtype"], preset["threads"])}, f)
+        run_all(args, preset)
+    peak = json.load(open(peak_file))["flops"] if os.path.exists(peak_file) else matmul_peak(preset["dtype"], preset["threads"])
+    table = report(args, peak)
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write(f"{time.strftime('%Y-%m-%d')}, {torch.cuda.get_device_name() if torch.cuda.is_available() else f'{os.cpu_count()}-core CPU'}\n\n" + table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
