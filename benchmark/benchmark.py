@@ -128,10 +128,11 @@ def read_runs(out: str) -> list[dict]:
         events = EventAccumulator(logs[0], size_guidance={"scalars": 0, "tensors": 0})
         events.Reload()
         scalars = {tag: [(e.step, e.value, e.wall_time) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
-        table = events.Tensors("hyperparameters/text_summary")[0].tensor_proto.string_val[0].decode()
+        hyperparameters = events.Tensors("hyperparameters/text_summary")[0]  # logged once, just before evaluation 0
+        table = hyperparameters.tensor_proto.string_val[0].decode()
         hyper = dict(re.findall(r"^\|(\w+)\|(.*)\|$", table, re.M))
         name, seed = os.path.basename(folder).rsplit("_s", 1)
-        runs.append({"script": name, "seed": int(seed), "scalars": scalars, "args": hyper})
+        runs.append({"script": name, "seed": int(seed), "scalars": scalars, "args": hyper, "start": hyperparameters.wall_time})
     return runs
 
 
@@ -166,8 +167,7 @@ def report(args: Args, peak: float) -> str:
         mean = lambda tag: statistics.mean(series(run, tag))
         work = step_work(run, n, layers, width)
         flops = sum(work.values())
-        made = os.path.join(args.out, f"{run['script']}_s{run['seed']}", "run.json")  # written by run_all
-        wall = json.load(open(made))["wall_seconds"] if os.path.exists(made) else float("nan")
+        wall = max(w for values in run["scalars"].values() for _, _, w in values) - run["start"]  # model loading not counted
         phases = " / ".join(f"{mean('charts/' + p):.1f}" for p in PHASES)
         gflops = " / ".join(f"{work.get(k, 0) / 1e9:.3g}" for k in ["sampled", "forward", "trained"])
         lines.append(
@@ -175,6 +175,15 @@ def report(args: Args, peak: float) -> str:
             f"{statistics.mean(steps):.1f} | {phases} | {mean('charts/sample_tokens_per_second'):.0f} | "
             f"{mean('charts/train_tokens_per_second'):.0f} | {max(series(run, 'charts/peak_memory_gb')):.1f} | {gflops} | "
             f"{100 * flops / statistics.mean(steps) / peak:.0f}%, {100 * work['trained'] / mean('charts/time_train') / peak:.0f}% |")
+    lines += ["", "| script | seeds | held-out accuracy before | after, mean (range) | change, mean (range) | seeds with +0.2 "
+              "or more |", "|" + "---|" * 6]
+    for name in dict.fromkeys(r["script"] for r in sorted(runs, key=lambda r: SCRIPTS.index(r["script"]))):
+        curves = [series(r, "charts/eval_accuracy") for r in runs if r["script"] == name]
+        before, after = [c[0] for c in curves], [c[-1] for c in curves]
+        change = [b - a for a, b in zip(before, after)]
+        lines.append(f"| {name} | {len(curves)} | {statistics.mean(before):.3f} | {statistics.mean(after):.3f} "
+                     f"({min(after):.3f}-{max(after):.3f}) | {statistics.mean(change):+.3f} ({min(change):+.3f} to "
+                     f"{max(change):+.3f}) | {sum(c >= 0.2 - 1e-9 for c in change)} of {len(curves)} |")
     figure(runs, os.path.join(args.out, "figure.png"))
     return "\n".join(lines) + "\n"
 
@@ -195,8 +204,7 @@ def figure(runs: list[dict], path: str) -> None:
     for ax, (tag, title, wall) in zip(axes.flat, panels):
         for run in runs:
             points = run["scalars"].get(tag, [])
-            start = min(w for values in run["scalars"].values() for _, _, w in values)
-            x = [w - start if wall else s for s, _, w in points]
+            x = [w - run["start"] if wall else s for s, _, w in points]
             label = run["script"] if run["seed"] == min(r["seed"] for r in runs if r["script"] == run["script"]) else None
             ax.plot(x, [v for _, v, _ in points], color=colors.get(run["script"]), label=label, marker="." if "eval" in tag else None)
             if tag == "losses/token_log_ratio_std":

@@ -29,9 +29,10 @@ def test_the_benchmark_runs_scripts_and_writes_a_table_and_a_figure(tiny_model, 
     result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmark", "benchmark.py"), "--scripts", "grpo", "ppo",
                              "--out", str(out), f"--extra={extra}"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    rows = [line.split("|")[1:-1] for line in (out / "table.md").read_text().splitlines() if line.startswith("| grpo")
-            or line.startswith("| ppo")]
-    assert [row[0].strip() for row in rows] == ["grpo", "ppo"]
+    lines = (out / "table.md").read_text().splitlines()
+    rows = [line.split("|")[1:-1] for line in lines if line.startswith(("| grpo", "| ppo"))]
+    rows, summary = [r for r in rows if len(r) == 12], [r for r in rows if len(r) == 6]  # per run; per script
+    assert [row[0].strip() for row in rows] == ["grpo", "ppo"] and [row[0].strip() for row in summary] == ["grpo", "ppo"]
     for row in rows:
         assert row[3].strip() == "2"  # steps
         gflops = [float(x) for x in row[10].split("/")]  # sample / forward / train
