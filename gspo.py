@@ -7,7 +7,8 @@ length, though the reward belongs to the sequence. GSPO moves the ratio and the 
     J(theta) = 1/G sum_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i),  A_i as in GRPO
     GSPO-token (--token-level): s_it = sg[s_i] * pi_theta(y_it) / sg[pi_theta(y_it)] (equal to GSPO
     in value and gradient when all tokens share A_i). The clip range is the paper's (3e-4, 4e-4), and
-    mini-batches (--num-minibatches 2) let ratios leave 1. No KL by default (beta 0).
+    mini-batches (--num-minibatches 2) let ratios leave 1. No KL by default (beta 0). The narrow range
+    clips much of the second mini-batch, so a step samples 8 prompts (32 completions, 16 per update).
 
 Run (the default model is SmolLM2-135M-Instruct, the default task built-in arithmetic):
     python gspo.py
@@ -116,8 +117,8 @@ class Args:
     """reward functions from rewards.py and their weights; reward = sum of weight * function"""
 
     # sampling
-    num_prompts: int = 4
-    """prompts per step"""
+    num_prompts: int = 8
+    """prompts per step (GSPO: 8, so that each of the 2 mini-batches holds 16 completions)"""
     group_size: int = 4
     """completions sampled per prompt (G)"""
     max_prompt_tokens: int = 256
