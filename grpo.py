@@ -138,7 +138,7 @@ class Args:
     """after the warm-up: "linear" decays the learning rate to 0 at the end of the run (TRL's default), "constant" keeps it"""
     num_iterations: int = 1
     """passes (mu) over each sampled batch"""
-    num_minibatches: int = 1
+    num_minibatches: int = 2
     """optimizer steps per pass; each mini-batch is num_prompts * group_size / num_minibatches completions"""
     micro_batch_size: int = 8
     """completions per forward/backward pass (gradient accumulation; memory only, not results)"""
