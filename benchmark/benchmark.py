@@ -133,7 +133,7 @@ def read_runs(out: str) -> list[dict]:
         hyper = dict(re.findall(r"^\|(\w+)\|(.*)\|$", table, re.M))
         name, seed = os.path.basename(folder).rsplit("_s", 1)
         runs.append({"script": name, "seed": int(seed), "scalars": scalars, "args": hyper, "start": hyperparameters.wall_time})
-    return runs
+    return sorted(runs, key=lambda r: (SCRIPTS.index(r["script"]), r["seed"]))
 
 
 def series(run: dict, tag: str) -> list[float]:
@@ -162,7 +162,7 @@ def report(args: Args, peak: float) -> str:
              "| script | seed | held-out accuracy, first -> last eval | steps | wall min | s/step | sample / score / logprobs"
              " / train s | sampled tok/s | trained tok/s | peak GB | GFLOP/step sample / forward / train | % peak: step, train |",
              "|" + "---|" * 12]
-    for run in sorted(runs, key=lambda r: (SCRIPTS.index(r["script"]) if r["script"] in SCRIPTS else 9, r["seed"])):
+    for run in runs:
         accuracy, steps = series(run, "charts/eval_accuracy"), series(run, "charts/step_seconds")
         mean = lambda tag: statistics.mean(series(run, tag))
         work = step_work(run, n, layers, width)
@@ -177,7 +177,7 @@ def report(args: Args, peak: float) -> str:
             f"{100 * flops / statistics.mean(steps) / peak:.0f}%, {100 * work['trained'] / mean('charts/time_train') / peak:.0f}% |")
     lines += ["", "| script | seeds | held-out accuracy before | after, mean (range) | change, mean (range) | seeds with +0.2 "
               "or more |", "|" + "---|" * 6]
-    for name in dict.fromkeys(r["script"] for r in sorted(runs, key=lambda r: SCRIPTS.index(r["script"]))):
+    for name in dict.fromkeys(r["script"] for r in runs):
         curves = [series(r, "charts/eval_accuracy") for r in runs if r["script"] == name]
         before, after = [c[0] for c in curves], [c[-1] for c in curves]
         change = [b - a for a, b in zip(before, after)]
