@@ -89,9 +89,9 @@ def run_all(args: Args, preset: dict) -> None:
         env = {**os.environ, **({"OMP_NUM_THREADS": str(preset["threads"])} if preset["threads"] else {})}
         start = time.time()
         with open(os.path.join(folder, "log.txt"), "w") as log:
+            log.write(shlex.join(argv[1:]) + "\n")  # the exact command, above its output
+            log.flush()
             code = subprocess.run(argv, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-        with open(os.path.join(folder, "run.json"), "w") as f:
-            json.dump({"command": " ".join(argv[1:]), "returncode": code, "wall_seconds": time.time() - start}, f)
         print(f"{name} seed {seed}: exit {code} after {(time.time() - start) / 60:.1f} min")
 
     with ThreadPoolExecutor(preset["parallel"]) as pool:

@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 from conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "benchmark"))
