@@ -249,20 +249,27 @@ def encode_prompts(tokenizer, prompts: list) -> list[list[int]]:
 
 @torch.no_grad()
 def sample(model, tokenizer, prompt_ids: list[list[int]], repeat: int, gen_config, eos_ids: list[int]):
-    """Batched generation with a KV cache; each prompt is repeated `repeat` times, contiguously.
+    """Batched generation with a KV cache; each prompt is repeated `repeat` times, contiguously, and computed once:
+    its keys and values (all but its last token) are copied to its `repeat` rows before decoding starts.
 
     Returns the prompt+completion ids (B, P+T), their attention mask (B, P+T), the completion mask
     (B, T: 1 up to and including the first EOS) and which completions hit the length limit (B,)."""
     width = max(len(ids) for ids in prompt_ids)
     pad = tokenizer.pad_token_id
     device = next(model.parameters()).device
-    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompt_ids], device=device)
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompt_ids], device=device)  # (N, P)
     prompt_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids], device=device)
-    input_ids, prompt_mask = input_ids.repeat_interleave(repeat, 0), prompt_mask.repeat_interleave(repeat, 0)
     was_training = model.training
     model.eval()  # gradient checkpointing disables the KV cache in train mode
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # (renamed)
+    cache = DynamicCache()  # each prompt once but its last token, which generate runs before it decodes
+    if width > 1:
+        model(input_ids=input_ids[:, :-1], attention_mask=prompt_mask[:, :-1], use_cache=True, **{cache_arg: cache},
+              position_ids=(prompt_mask[:, :-1].cumsum(-1) - 1).clamp(min=0), logits_to_keep=1)
+    cache.batch_repeat_interleave(repeat)  # (N, ., P-1, .) -> (B, ., P-1, .)
+    input_ids, prompt_mask = input_ids.repeat_interleave(repeat, 0), prompt_mask.repeat_interleave(repeat, 0)  # (B, P)
     out = model.generate(input_ids=input_ids, attention_mask=prompt_mask, generation_config=gen_config,
-                         synced_gpus=False)  # with the weights gathered, each rank decodes on its own
+                         synced_gpus=False, **{cache_arg: cache})  # with the weights gathered, each rank decodes alone
     model.train(was_training)
     completion = out[:, width:]  # (B, T)
     is_eos = torch.isin(completion, torch.tensor(eos_ids, device=device))  # (B, T)

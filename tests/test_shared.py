@@ -53,6 +53,35 @@ def test_greedy_sampling_ignores_the_checkpoints_generation_config(module, model
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+def test_each_prompt_runs_once_in_sampling_and_the_draws_are_those_of_plain_generate(module, tiny_model):
+    """`sample` runs each prompt once and copies its keys and values to its `repeat` rows before decoding: with the same
+    seed it must draw the tokens of one plain `generate` over the repeated, left-padded prompts, from the same logits."""
+    tokenizer, model = module.load_model(tiny_model, CPU)
+    eos_ids = module.eos_token_ids(tokenizer, model)
+    config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, max_new_tokens=10,
+                              pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)
+    prompts = [tokenizer(text).input_ids for text in ["7", "1+2=", "12+34=?"]]  # 2, 5 and 8 tokens
+    generate, logits = model.generate, []
+
+    def generate_keeping_logits(**kwargs):  # the logits each decoding step sampled from
+        result = generate(**kwargs, output_logits=True, return_dict_in_generate=True)
+        logits.append(torch.stack(result.logits, 1))  # (B, T, V)
+        return result.sequences
+
+    model.generate = generate_keeping_logits
+    torch.manual_seed(0)
+    out, _, completion_mask, _ = module.sample(model, tokenizer, prompts, 3, config, eos_ids)
+    width = max(map(len, prompts))
+    input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts]).repeat_interleave(3, 0)
+    prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]).repeat_interleave(3, 0)
+    torch.manual_seed(0)
+    expected = model.eval().generate(input_ids=input_ids, attention_mask=prompt_mask, generation_config=config)
+    assert completion_mask.sum(1).max() >= 5  # completions long enough to tell wrong keys and values apart
+    assert torch.equal(out, expected)
+    assert torch.allclose(logits[0], logits[1], atol=1e-5)
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["shared_prompt", "gradient_checkpointing"])
 def test_each_prompt_computed_once_gives_the_log_probs_and_gradients_of_whole_rows(module, checkpointing, tiny_model):
     """Two groups of 3 (prompts of 4 and 2 tokens, left-padded; completions of 1 to 5 tokens, right-padded): log-probs
