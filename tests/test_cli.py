@@ -113,7 +113,7 @@ def test_micro_batching_does_not_change_the_update(script, tiny_model, copy_task
     weights. Runs main() in-process with SGD in place of AdamW, whose first step is nearly sign(g) and so
     would turn float rounding in near-zero gradients into differences of a whole learning rate."""
     module = importlib.import_module(script[: -len(".py")])
-    monkeypatch.setattr(torch.optim, "AdamW", lambda params, lr: torch.optim.SGD(params, lr=lr))
+    monkeypatch.setattr(torch.optim, "AdamW", lambda params, lr, **options: torch.optim.SGD(params, lr=lr))
     weights = []
     for micro in ["32", "5"]:
         (tmp_path / micro).mkdir()
