@@ -34,6 +34,7 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ["grpo", "gspo", "dapo", "ppo"]
+LONGEST_FIRST = ["ppo", "gspo", "dapo", "grpo"]  # the order runs start in, so that two at a time end together
 PRESETS = {  # per preset: arguments for every script, for each script, runs at once, threads per run, matmul dtype
     "cpu": {"common": [], "own": {}, "parallel": 2, "threads": 1, "dtype": torch.float32},
     "gpu": {"common": ["--model", "Qwen/Qwen2.5-0.5B-Instruct", "--difficulty", "2", "--max-new-tokens", "128",
@@ -95,7 +96,8 @@ def run_all(args: Args, preset: dict) -> None:
         print(f"{name} seed {seed}: exit {code} after {(time.time() - start) / 60:.1f} min")
 
     with ThreadPoolExecutor(preset["parallel"]) as pool:
-        list(pool.map(run, [(name, seed) for name in args.scripts for seed in args.seeds]))
+        jobs = [(name, seed) for name in args.scripts for seed in args.seeds]
+        list(pool.map(run, sorted(jobs, key=lambda job: LONGEST_FIRST.index(job[0]))))
 
 
 def matmul_parameters(model: str) -> tuple[int, int, int]:
