@@ -1,7 +1,8 @@
 """grpo.py against TRL's GRPOTrainer on the same work, on this machine: the same model and prompts, 16 completions a
-step (4 prompts x 4) of at most 48 tokens at temperature 0.7, fp32, a reference model (beta 0.04), one optimizer
-update per batch in micro-batches of 8, the same rewards (rewards.py's correctness + 0.2 x format). It prints and
-writes (to {out}/table.md) the seconds per step of each, the median over the steps after the first.
+step (4 prompts x 4) of exactly 48 tokens (see --fixed-length) at temperature 0.7, fp32, a reference model (beta
+0.04), one optimizer update per batch in micro-batches of 8, the same rewards (rewards.py's correctness + 0.2 x
+format). It prints and writes (to {out}/table.md) the seconds per step of each, the median over the steps after the
+first.
 
     pip install trl==1.16.0 && python benchmark/vs_trl.py
 
@@ -36,6 +37,7 @@ class Args:
     out: str = "benchmark/vs_trl"
     """output folder: model/, grpo/ (our run), trl/ and table.md"""
     seed: int = 1
+    """seed of both runs"""
     fixed_length: bool = True
     """make EOS a token the model does not sample (<repo_name>), so that every completion is exactly 48 tokens in both
     runs and both do the same work; off, the lengths follow the sampling and differ between the runs"""
