@@ -110,7 +110,10 @@ class FixedGenerator(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.zeros(1))
         self.completions = torch.tensor(completions)
 
-    def generate(self, input_ids, attention_mask, generation_config, synced_gpus):
+    def forward(self, input_ids, attention_mask, position_ids, use_cache, cache, logits_to_keep):  # the prompt pass
+        self.prompt_rows = len(input_ids)
+
+    def generate(self, input_ids, attention_mask, generation_config, synced_gpus, cache):
         assert synced_gpus is False  # ranks decode on their own (the weights are gathered first)
         return torch.cat([input_ids, self.completions], 1)
 
@@ -119,8 +122,9 @@ def test_sample_masks_up_to_first_eos_and_marks_truncation(model_and_tokenizer):
     _, tokenizer = model_and_tokenizer
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     completions = [[5, eos, pad, pad], [5, 6, 7, 8], [eos, 5, eos, pad], [5, 6, 7, eos]]
-    out, attention, mask, truncated = grpo.sample(FixedGenerator(completions), tokenizer, [[9], [9, 9]], 2,
-                                                  GenerationConfig(), [eos])
+    generator = FixedGenerator(completions)
+    out, attention, mask, truncated = grpo.sample(generator, tokenizer, [[9], [9, 9]], 2, GenerationConfig(), [eos])
+    assert generator.prompt_rows == 2  # each prompt computed once, then repeated for its 2 completions
     assert out.shape == (4, 6) and out[:, :2].tolist() == [[pad, 9], [pad, 9], [9, 9], [9, 9]]  # repeat_interleave
     assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1]]
     assert truncated.tolist() == [False, True, False, False]
