@@ -270,6 +270,12 @@ def encode_prompts(tokenizer, prompts: list) -> list[list[int]]:
     return encoded
 
 
+def cache_kwarg(model, cache) -> dict:
+    """The cache as the keyword argument that `model.forward` and `generate` take (transformers renamed
+    past_key_values to cache)."""
+    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
+
+
 @torch.no_grad()
 def sample(model, tokenizer, prompt_ids: list[list[int]], repeat: int, gen_config, eos_ids: list[int]):
     """Batched generation with a KV cache; each prompt is repeated `repeat` times, contiguously, and computed once:
@@ -284,15 +290,14 @@ def sample(model, tokenizer, prompt_ids: list[list[int]], repeat: int, gen_confi
     prompt_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids], device=device)
     was_training = model.training
     model.eval()  # gradient checkpointing disables the KV cache in train mode
-    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # (renamed)
     cache = DynamicCache()  # each prompt once but its last token, which generate runs before it decodes
     if width > 1:
-        model(input_ids=input_ids[:, :-1], attention_mask=prompt_mask[:, :-1], use_cache=True, **{cache_arg: cache},
+        model(input_ids=input_ids[:, :-1], attention_mask=prompt_mask[:, :-1], use_cache=True, **cache_kwarg(model, cache),
               position_ids=(prompt_mask[:, :-1].cumsum(-1) - 1).clamp(min=0), logits_to_keep=1)
     cache.batch_repeat_interleave(repeat)  # (N, ., P-1, .) -> (B, ., P-1, .)
     input_ids, prompt_mask = input_ids.repeat_interleave(repeat, 0), prompt_mask.repeat_interleave(repeat, 0)  # (B, P)
     out = model.generate(input_ids=input_ids, attention_mask=prompt_mask, generation_config=gen_config,
-                         synced_gpus=False, **{cache_arg: cache})  # with the weights gathered, each rank decodes alone
+                         synced_gpus=False, **cache_kwarg(model, cache))  # with the weights gathered, each rank decodes alone
     model.train(was_training)
     completion = out[:, width:]  # (B, T)
     is_eos = torch.isin(completion, torch.tensor(eos_ids, device=device))  # (B, T)
@@ -325,7 +330,6 @@ def completion_outputs(model, input_ids, attention_mask, num_completion_tokens: 
     prompt_ids, prompt_mask = prompt_ids[:, keep], prompt_mask[:, keep]  # (U, P')
     completion_ids, completion_mask = input_ids[:, P : P + L], attention_mask[:, P : P + L]  # (B, L)
     lm_head = model.get_output_embeddings() is not None  # an LM: logits only where they are needed
-    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # (renamed)
     checkpointed = any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
     if checkpointed and torch.is_grad_enabled():  # checkpointed layers drop a cache: whole rows instead
         mask = torch.cat([prompt_mask[prompt_index], completion_mask], 1)  # (B, P'+L)
@@ -335,7 +339,7 @@ def completion_outputs(model, input_ids, attention_mask, num_completion_tokens: 
         return out[0][:, -L - 1 : -1]
     cache = DynamicCache()  # 1. the prompts, once each; the last position predicts the first completion token
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
-                use_cache=True, **{cache_arg: cache}, **({"logits_to_keep": 1} if lm_head else {}))
+                use_cache=True, **cache_kwarg(model, cache), **({"logits_to_keep": 1} if lm_head else {}))
     first = out[0][prompt_index, -1:]  # (B, 1, .)
     if L == 1:
         return first
@@ -343,7 +347,7 @@ def completion_outputs(model, input_ids, attention_mask, num_completion_tokens: 
     mask = torch.cat([prompt_mask[prompt_index], completion_mask[:, :-1]], 1)  # (B, P'+L-1)
     positions = prompt_mask.sum(1)[prompt_index, None] + torch.arange(L - 1, device=input_ids.device)  # (B, L-1)
     out = model(input_ids=completion_ids[:, :-1], attention_mask=mask, position_ids=positions, use_cache=True,
-                **{cache_arg: cache})
+                **cache_kwarg(model, cache))
     return torch.cat([first, out[0]], 1)  # (B, L, .)
 
 
