@@ -2,7 +2,7 @@
 step (4 prompts x 4) of exactly 48 tokens (see --fixed-length) at temperature 0.7, fp32, a reference model (beta
 0.04), one optimizer update per batch in micro-batches of 8, the same rewards (rewards.py's correctness + 0.2 x
 format). It prints and writes (to {out}/table.md) the seconds per step of each, the median over the steps after the
-first.
+first. With --repeats K it runs the two K times, alternately, so that a slow spell of the machine falls on both.
 
     pip install trl==1.16.0 && python benchmark/vs_trl.py
 
@@ -32,6 +32,8 @@ COMMON = {"num_prompts": 4, "group_size": 4, "max_new_tokens": 48, "temperature"
 class Args:
     steps: int = 8
     """training steps of each run; the first is left out of the median (warm-up)"""
+    repeats: int = 1
+    """runs of each implementation, alternating (ours, TRL, ours, TRL, ...)"""
     model: str = DEFAULT_MODEL
     """Hub id, save_pretrained folder or .gguf file; saved once as a folder that both load"""
     out: str = "benchmark/vs_trl"
@@ -80,7 +82,8 @@ def trl(args: Args, model_dir: str) -> list[float]:
         return rewards.format_reward([c[0]["content"] for c in completions], answer)
 
     class StepEnds(TrainerCallback):
-        ends: list[float] = []
+        def __init__(self):
+            self.ends = []
 
         def on_step_end(self, *a, **k):
             self.ends.append(time.time())
@@ -111,15 +114,22 @@ def main(args: Args) -> None:
         model.save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
         del model
-    seconds = {"grpo.py": ours(args, os.path.abspath(model_dir)), "TRL GRPOTrainer": trl(args, model_dir)}
+    seconds = {"grpo.py": [], "TRL GRPOTrainer": []}  # per repeat, the seconds of steps 2..steps
+    for _ in range(args.repeats):
+        seconds["grpo.py"].append(ours(args, os.path.abspath(model_dir)))
+        seconds["TRL GRPOTrainer"].append(trl(args, model_dir))
     checkpointing = "on" if args.trl_gradient_checkpointing else "off"
     lengths = "every completion 48 tokens" if args.fixed_length else "completions end at EOS"
     lines = [f"| implementation (TRL's gradient checkpointing {checkpointing}; {lengths}) | s/step, median of steps "
-             f"2-{args.steps} | range |", "|---|---|---|"]
-    for name, steps in seconds.items():
-        lines.append(f"| {name} | {statistics.median(steps):.1f} | {min(steps):.1f}-{max(steps):.1f} |")
-    ratio = statistics.median(seconds["grpo.py"]) / statistics.median(seconds["TRL GRPOTrainer"])
-    lines += ["", f"grpo.py takes {ratio:.2f}x TRL's time per step."]
+             f"2-{args.steps} of {args.repeats} run(s) | range | median of each run |", "|---|---|---|---|"]
+    median = {name: statistics.median(s for run in runs for s in run) for name, runs in seconds.items()}  # pooled
+    for name, runs in seconds.items():
+        steps = [s for run in runs for s in run]
+        each = ", ".join(f"{statistics.median(run):.1f}" for run in runs)
+        lines.append(f"| {name} | {median[name]:.1f} | {min(steps):.1f}-{max(steps):.1f} | {each} |")
+    pairs = ", ".join(f"{statistics.median(a) / statistics.median(b):.2f}x" for a, b in zip(*seconds.values()))
+    lines += ["", f"grpo.py takes {median['grpo.py'] / median['TRL GRPOTrainer']:.2f}x TRL's time per step "
+              f"(each pair of runs: {pairs})."]
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
