@@ -70,7 +70,7 @@ def matmul_peak(dtype: torch.dtype, threads: int) -> float:
     n = 8192 if device == "cuda" else 2048
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     best = float("inf")
-    for _ in range(5):
+    for _ in range(20):  # the best of many: a single product is easily slowed by anything else on the machine
         start = time.perf_counter()
         a @ b
         if device == "cuda":
@@ -142,6 +142,12 @@ def series(run: dict, tag: str) -> list[float]:
     return [v for _, v, _ in run["scalars"].get(tag, [])]
 
 
+def forward_flops(n: int, layers: int, width: int, context: float) -> float:
+    """FLOPs of a forward pass per token: 2 x N for the weights, 4 x layers x width x context for attention (the scores
+    and the weighted sum of the values over `context` tokens)."""
+    return 2 * n + 4 * layers * width * context
+
+
 def step_work(run: dict, n: int, layers: int, width: int) -> dict[str, float]:
     """Mean FLOPs per step of each phase (sample, forward, train), from the logged token counts."""
     s, args = run["scalars"], run["args"]
@@ -149,7 +155,7 @@ def step_work(run: dict, n: int, layers: int, width: int) -> dict[str, float]:
     rounds = statistics.mean(series(run, "charts/sampling_rounds") or [1])  # DAPO samples several rounds
     completion = statistics.mean(series(run, "charts/completion_length_mean"))
     prompt = (statistics.mean(series(run, "charts/tokens_sampled")) / (completions * rounds) - completion) * int(args["group_size"])
-    per_token = 2 * n + 4 * layers * width * (prompt + completion / 2)  # forward FLOPs per token
+    per_token = forward_flops(n, layers, width, prompt + completion / 2)  # at the mean context
     return {phase: factor * per_token * statistics.mean(series(run, f"charts/tokens_{phase}"))
             for phase, factor in [("sampled", 1), ("forward", 1), ("trained", 3)] if s.get(f"charts/tokens_{phase}")}
 

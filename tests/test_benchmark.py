@@ -41,3 +41,15 @@ def test_the_benchmark_runs_scripts_and_writes_a_table_and_a_figure(tiny_model, 
     report = subprocess.run([sys.executable, os.path.join(ROOT, "benchmark", "benchmark.py"), "--out", str(out),
                              "--report-only"], capture_output=True, text=True, timeout=600)
     assert report.returncode == 0 and "| grpo | 1 |" in report.stdout  # redrawn from the runs, nothing rerun
+
+
+def test_the_ceiling_command_times_a_training_pass_and_a_decoding_step_of_the_model(tiny_model):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmark", "ceiling.py"), "--model", tiny_model,
+                             "--tokens", "8", "16", "--rows", "2", "--repeats", "1"], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith(("| forward", "| decoding"))]
+    assert [(r[0].strip(), r[1].strip()) for r in rows] == [
+        ("forward + backward", "1 row x 8 tokens"), ("forward + backward", "1 row x 16 tokens"),
+        ("decoding step", "2 rows, 50 cached")]
+    assert all(float(r[3]) > 0 and r[4].strip().endswith("%") for r in rows)
