@@ -5,8 +5,8 @@ benchmark.py divides by. Two passes, each timed alone in one process, best of a 
   (no padding, no prompt split off, the LM head everywhere): 6 x N FLOPs per token, plus attention;
 - sampling's inner loop: one decoding step of B rows after a prompt of 50 tokens, with a KV cache: 2 x N per row.
 
-A script's fraction of peak (benchmark.py's table) can come close to these figures, not pass them: they are the
-same model's passes with the waste taken out.
+They bound a script's fraction of peak in benchmark.py's table (up to the peak's own variation from run to run):
+they are the same model's passes with the waste taken out.
 
     python benchmark/ceiling.py                                   # SmolLM2-135M-Instruct, 1 thread (the CPU preset)
     python benchmark/ceiling.py --threads 2 --tokens 100 400 --rows 1 16
@@ -14,6 +14,7 @@ same model's passes with the waste taken out.
 
 import sys
 import time
+from functools import partial
 from dataclasses import dataclass, field
 
 import torch
@@ -68,7 +69,7 @@ def main(args: Args) -> None:
 
     for t in args.tokens:
         ids = torch.randint(vocab, (1, t))
-        seconds = best_seconds(lambda: train_pass(ids), args.repeats)  # noqa: B023 (called in this iteration)
+        seconds = best_seconds(partial(train_pass, ids), args.repeats)
         row("forward + backward", f"1 row x {t} tokens", seconds, 3 * t * forward_flops(n, layers, width, t / 2))
 
     @torch.no_grad()
@@ -80,7 +81,7 @@ def main(args: Args) -> None:
         cache, token, position = DynamicCache(), torch.randint(vocab, (b, 1)), torch.full((b, 1), 50)
         with torch.no_grad():
             model(input_ids=torch.randint(vocab, (b, 50)), use_cache=True, **cache_kwarg(model, cache))
-        seconds = best_seconds(lambda: decode_step(cache, token, position), 3 * args.repeats)  # noqa: B023
+        seconds = best_seconds(partial(decode_step, cache, token, position), 3 * args.repeats)
         row("decoding step", f"{b} row{'s' if b > 1 else ''}, 50 cached", seconds, b * forward_flops(n, layers, width, 50))
     print("\n".join(lines))
 
