@@ -122,10 +122,10 @@ def main(args: Args) -> None:
     lengths = "every completion 48 tokens" if args.fixed_length else "completions end at EOS"
     lines = [f"| implementation (TRL's gradient checkpointing {checkpointing}; {lengths}) | s/step, median of steps "
              f"2-{args.steps} of {args.repeats} run(s) | range | median of each run |", "|---|---|---|---|"]
-    median = {name: statistics.median(s for run in runs for s in run) for name, runs in seconds.items()}  # pooled
-    for name, runs in seconds.items():
-        steps = [s for run in runs for s in run]
-        each = ", ".join(f"{statistics.median(run):.1f}" for run in runs)
+    pooled = {name: [s for run in runs for s in run] for name, runs in seconds.items()}  # every run's steps
+    median = {name: statistics.median(steps) for name, steps in pooled.items()}
+    for name, steps in pooled.items():
+        each = ", ".join(f"{statistics.median(run):.1f}" for run in seconds[name])
         lines.append(f"| {name} | {median[name]:.1f} | {min(steps):.1f}-{max(steps):.1f} | {each} |")
     pairs = ", ".join(f"{statistics.median(a) / statistics.median(b):.2f}x" for a, b in zip(*seconds.values()))
     lines += ["", f"grpo.py takes {median['grpo.py'] / median['TRL GRPOTrainer']:.2f}x TRL's time per step "
