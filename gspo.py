@@ -16,7 +16,7 @@ Run (the default model is SmolLM2-135M-Instruct, the default task built-in arith
     torchrun --nproc_per_node 8 gspo.py --model Qwen/Qwen2.5-7B-Instruct --num-prompts 64  # one node, 8 GPUs
 
 Deliberate simplifications, each to keep the file readable (docs/ says more):
-  - precision: float32 weights, gradients and AdamW state; bf16 only as autocast compute (docs/algorithms.md);
+  - precision: float32 weights, gradients and AdamW state; bf16 only as autocast compute (docs/precision.md);
   - sampling: `model.generate` with exactly the settings in Args, nothing merged in from the checkpoint; no vLLM;
   - resume: a checkpoint every --save-every steps and on Ctrl-C or SIGTERM, continued exactly (docs/checkpoints.md);
   - data parallelism only: FSDP2 under torchrun, no tensor or pipeline parallelism (docs/distributed.md);
@@ -758,7 +758,7 @@ def all_gather(x):
     if not isinstance(x, torch.Tensor):
         dist.all_gather_object(parts, x)
         return parts
-    x = x.detach().reshape(-1, *x.shape[1:]).to("cuda" if dist.get_backend() == "nccl" else "cpu").contiguous()
+    x = torch.atleast_1d(x.detach()).to("cuda" if dist.get_backend() == "nccl" else "cpu").contiguous()
     parts = [torch.empty_like(x) for _ in parts]
     dist.all_gather(parts, x)
     return torch.cat(parts)
