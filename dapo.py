@@ -59,92 +59,54 @@ import rewards
 @dataclass
 class Args:
     # algorithm
-    clip_eps_low: float = 0.2
-    """DAPO clip-higher: ratios below 1 - clip_eps_low give no gradient when A < 0"""
-    clip_eps_high: float = 0.28
-    """DAPO clip-higher: ratios above 1 + clip_eps_high give no gradient when A > 0"""
-    dynamic_sampling: bool = True
-    """DAPO dynamic sampling: train only on groups with 0 < #correct < G, sampling more prompts to fill the batch"""
-    max_sampling_rounds: int = 4
-    """DAPO dynamic sampling: at most this many rounds of num_prompts prompts per step, then train on what was kept"""
-    overlong_buffer: int = 12
-    """DAPO overlong shaping: L_cache, the last tokens before --max-new-tokens (L_max) over which the penalty grows"""
-    overlong_penalty: float = 1.0
-    """DAPO overlong shaping: weight of the length penalty (0 switches it off)"""
-    beta: float = 0.0
-    """KL coefficient against the initial policy; 0 loads no reference model"""
+    clip_eps_low: float = 0.2  # DAPO clip-higher: ratios below 1 - clip_eps_low give no gradient when A < 0
+    clip_eps_high: float = 0.28  # DAPO clip-higher: ratios above 1 + clip_eps_high give no gradient when A > 0
+    dynamic_sampling: bool = True  # DAPO: train only on groups with 0 < #correct < G, sampling more to fill the batch
+    max_sampling_rounds: int = 4  # DAPO dynamic sampling: at most this many rounds a step, then train on what was kept
+    overlong_buffer: int = 12  # DAPO overlong shaping: L_cache, the last tokens before L_max = --max-new-tokens
+    overlong_penalty: float = 1.0  # DAPO overlong shaping: weight of the length penalty (0 switches it off)
+    beta: float = 0.0  # KL coefficient against the initial policy; 0 loads no reference model
 
     # sampling
-    num_prompts: int = 4
-    """prompts per step"""
-    group_size: int = 4
-    """completions sampled per prompt (G)"""
-    max_prompt_tokens: int = 256
-    """prompts are cut to their last this many tokens"""
-    max_new_tokens: int = 48
-    """completion length limit; a completion that reaches it without EOS is truncated"""
-    temperature: float = 0.7
-    """sampling temperature; log-probs are computed from logits / temperature too"""
-    top_p: float = 1.0
-    """nucleus sampling; below 1 the log-probs (full softmax) do not describe the samples, biasing ratios and KL"""
+    num_prompts: int = 4  # prompts per step
+    group_size: int = 4  # completions sampled per prompt (G)
+    max_prompt_tokens: int = 256  # prompts are cut to their last this many tokens
+    max_new_tokens: int = 48  # completion length limit; a completion that reaches it without EOS is truncated
+    temperature: float = 0.7  # sampling temperature; log-probs are computed from logits / temperature too
+    top_p: float = 1.0  # nucleus sampling; below 1 the log-probs (full softmax) are biased, and so the ratios
 
     # optimisation
-    learning_rate: float = 2e-5
-    """AdamW learning rate"""
-    warmup_steps: int = 0
-    """linear learning-rate warm-up over this many steps"""
-    lr_schedule: Literal["linear", "constant"] = "linear"
-    """after the warm-up: linear decay to 0 at the end of the run (TRL's default), or constant"""
-    num_iterations: int = 1
-    """passes (mu) over each sampled batch"""
-    num_minibatches: int = 2
-    """optimizer steps per pass, each on num_prompts / num_minibatches whole groups"""
-    micro_batch_size: int = 8
-    """completions per forward/backward pass (gradient accumulation; memory only, not results)"""
-    max_grad_norm: float = 1.0
-    """gradient clipping norm"""
-    max_skipped_updates: int = 3
-    """an update with a non-finite loss or gradient norm is skipped; this many in a row stop the run"""
+    learning_rate: float = 2e-5  # AdamW learning rate
+    warmup_steps: int = 0  # linear learning-rate warm-up over this many steps
+    lr_schedule: Literal["linear", "constant"] = "linear"  # after the warm-up: decay to 0 by the end, or constant
+    num_iterations: int = 1  # passes (mu) over each sampled batch
+    num_minibatches: int = 2  # optimizer steps per pass, each on num_prompts / num_minibatches whole groups
+    micro_batch_size: int = 8  # completions per forward/backward pass (gradient accumulation; memory only, not results)
+    max_grad_norm: float = 1.0  # gradient clipping norm
+    max_skipped_updates: int = 3  # updates with a non-finite loss or gradient are skipped; this many in a row stop
 
     # model and data
-    model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
-    """Hub id, local save_pretrained folder, or .gguf file of a causal LM"""
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """compute dtype of the forward passes (autocast; weights stay float32); auto: bfloat16 on CUDA, else float32"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory"""
-    task: str = "arithmetic"
-    """built-in task (arithmetic, countdown), a .jsonl file, or a Hub dataset id (e.g. openai/gsm8k)"""
-    difficulty: int = 1
-    """difficulty of a built-in task: 1 (a + b, numbers 0..20) to 4 (arithmetic: (a op b) op c, numbers 0..99)"""
-    prompt_field: str = "prompt"
-    """field holding the prompt in a .jsonl or Hub dataset"""
-    answer_field: str = "answer"
-    """field holding the reference answer in a .jsonl or Hub dataset"""
+    model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"  # a causal LM: Hub id, save_pretrained folder or .gguf file
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # autocast compute dtype; auto: bfloat16 on CUDA only
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass to save memory
+    task: str = "arithmetic"  # built-in (arithmetic, countdown), a .jsonl file, or a Hub dataset id (openai/gsm8k)
+    difficulty: int = 1  # of a built-in task: 1 (a + b, numbers 0..20) to 4 ((a op b) op c, numbers 0..99)
+    prompt_field: str = "prompt"  # field holding the prompt in a .jsonl or Hub dataset
+    answer_field: str = "answer"  # field holding the reference answer in a .jsonl or Hub dataset
     reward_weights: dict[str, float] = field(default_factory=lambda: {"correctness": 1.0, "format": 0.2})
-    """reward functions from rewards.py and their weights; reward = sum of weight * function"""
+    """reward functions from rewards.py and their weights: reward = sum of weight * function"""
 
     # experiment
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment, used in the run name"""
-    seed: int = 1
-    """seed of the sampler, the prompt order and torch"""
-    steps: int = 20
-    """number of training steps (one batch of prompts is sampled per step)"""
-    eval_every: int = 5
-    """measure held-out greedy accuracy every this many steps, before the first and after the last; 0: never"""
-    eval_prompts: int = 64
-    """number of held-out prompts scored at each evaluation"""
-    save_every: int = 10
-    """save a checkpoint every this many steps; the last step and a stop (Ctrl-C, SIGTERM) always save one"""
-    keep_checkpoints: int = 1
-    """keep the newest this many checkpoints (0: all)"""
-    output_dir: str = "checkpoints"
-    """checkpoints go to {output_dir}/{run_name}/step_{N}, save_pretrained folders with the training state"""
-    resume: str | None = None
-    """continue from this checkpoint, or from {output_dir}/{run_name}/latest, with its arguments (give no others)"""
-    log_completions_every: int = 10
-    """write a few completions with their rewards to TensorBoard every this many steps"""
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # the name of this experiment, used in the run name
+    seed: int = 1  # seed of the sampler, the prompt order and torch
+    steps: int = 20  # number of training steps (one batch of prompts is sampled per step)
+    eval_every: int = 5  # held-out greedy accuracy every this many steps and after the last (0: never)
+    eval_prompts: int = 64  # number of held-out prompts scored at each evaluation
+    save_every: int = 10  # a checkpoint every this many steps; the last step and a Ctrl-C or SIGTERM save one too
+    keep_checkpoints: int = 1  # keep the newest this many checkpoints (0: all)
+    output_dir: str = "checkpoints"  # checkpoints: {output_dir}/{run_name}/step_{N}, save_pretrained folders
+    resume: str | None = None  # continue a run from a checkpoint, or from {output_dir}/{run_name}/latest
+    log_completions_every: int = 10  # write a few completions with their rewards to TensorBoard every this many steps
 
 
 # ----------------------------------------------------------------------------- the algorithm
