@@ -18,6 +18,7 @@ Deliberate simplifications, each to keep the file readable (docs/ says more):
   - sampling: `model.generate` with exactly the settings in Args, nothing merged in from the checkpoint; no vLLM;
   - resume: a checkpoint every --save-every steps and on Ctrl-C or SIGTERM, continued exactly (docs/checkpoints.md);
   - data parallelism only: FSDP2 under torchrun, no tensor or pipeline parallelism (docs/distributed.md);
+  - mixture-of-experts models train without the router's auxiliary load-balancing loss (the RL loss alone);
   - the std in A_i is the sample std of the group (as TRL and verl compute it).
 """
 
@@ -205,11 +206,12 @@ def sample(model, tokenizer, prompt_ids: list[list[int]], repeat: int, gen_confi
     prompt_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids], device=device)
     was_training = model.training
     model.eval()  # gradient checkpointing disables the KV cache in train mode
-    cache = DynamicCache()  # each prompt once but its last token, which generate runs before it decodes
-    if width > 1:
+    cache = DynamicCache() if shares_cache(model) else None  # each prompt once but its last token (run by generate)
+    if cache is not None and width > 1:
         model(input_ids=input_ids[:, :-1], attention_mask=prompt_mask[:, :-1], use_cache=True, logits_to_keep=1,
               position_ids=(prompt_mask[:, :-1].cumsum(-1) - 1).clamp(min=0), **cache_kwarg(model, cache))
-    cache.batch_repeat_interleave(repeat)  # (N, ., P-1, .) -> (B, ., P-1, .)
+    if cache is not None:
+        cache.batch_repeat_interleave(repeat)  # (N, ., P-1, .) -> (B, ., P-1, .)
     input_ids, prompt_mask = input_ids.repeat_interleave(repeat, 0), prompt_mask.repeat_interleave(repeat, 0)  # (B, P)
     out = model.generate(input_ids=input_ids, attention_mask=prompt_mask, generation_config=gen_config,
                          synced_gpus=False, **cache_kwarg(model, cache))  # weights gathered: each rank decodes alone
@@ -416,8 +418,9 @@ def completion_outputs(model, input_ids, attention_mask, num_completion_tokens: 
     prompt_ids, prompt_mask = prompts[:, :P][:, keep], prompts[:, P:][:, keep]  # (U, P'); row b's prompt is index[b]
     completion_ids, completion_mask = input_ids[:, P : P + L], attention_mask[:, P : P + L]  # (B, L)
     head = {"logits_to_keep": 1} if model.get_output_embeddings() is not None else {}  # an LM: only the logits needed
-    if torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
-        mask = torch.cat([prompt_mask[index], completion_mask], 1)  # checkpointed layers drop a cache: whole rows
+    checkpointed = torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    if checkpointed or not shares_cache(model):  # checkpointed layers drop a cache, and some caches cannot be copied
+        mask = torch.cat([prompt_mask[index], completion_mask], 1)  # (B, P'+L): whole rows
         out = model(input_ids=torch.cat([prompt_ids[index], completion_ids], 1), attention_mask=mask, use_cache=False,
                     position_ids=(mask.cumsum(-1) - 1).clamp(min=0), **({"logits_to_keep": L + 1} if head else {}))
         return out[0][:, -L - 1 : -1]
@@ -440,6 +443,16 @@ def micro_batches(indices: torch.Tensor, completion_mask: torch.Tensor, group_si
     longest = completion_mask.sum(1).cpu().view(-1, group_size).max(1).values  # (N / G,): each group's longest
     key = longest[indices // group_size] * len(completion_mask) + indices  # by that length, then by group
     return indices[key.argsort()].split(size)
+
+
+def shares_cache(model) -> bool:
+    """Whether a prompt's keys and values can be computed once and copied to its rows: every layer of the model's cache
+    is attention, none the recurrent state of a linear-attention or state-space layer (Qwen3-Next, Jamba)."""
+    try:
+        layers = DynamicCache(config=model.config).layers
+    except Exception:  # a cache that this version of transformers cannot build from the config
+        return False
+    return all(type(layer).__name__ in ("DynamicLayer", "DynamicSlidingWindowLayer") for layer in layers)
 
 
 def cache_kwarg(model, cache) -> dict:
@@ -505,6 +518,10 @@ def load_model(name: str):
     for module in model.modules():  # and the dropout modules that the config does not name
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+    if not shares_cache(model):
+        print(f"note: {config.model_type} keeps recurrent state in its cache, which cannot be copied: rows run whole")
+    if hasattr(config, "router_aux_loss_coef"):
+        print(f"note: {config.model_type} is a mixture of experts; the router's load-balancing loss is not added")
     tokenizer.padding_side = "left"  # generation appends on the right
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     # a neutral generation config: `generate` would otherwise merge in the checkpoint's (repetition_penalty, top_k,
