@@ -340,6 +340,8 @@ def main(args: Args) -> None:
                     if ref_model is not None:
                         ref_logprobs[mb] = token_logprobs(ref_model, input_ids[mb], attention_mask[mb], T,
                                                           args.temperature)[0]
+            if isinstance(ref_model, FSDPModule):  # never run backward, so FSDP2 would keep its root's weights gathered
+                ref_model.reshard()
 
             # 6. num_iterations passes, each num_minibatches optimizer steps on whole groups, in micro-batches
             logprobs_seconds, train_start, stats = time.time() - logprobs_start, time.time(), []

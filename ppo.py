@@ -415,6 +415,8 @@ def main(args: Args) -> None:
                         ref_logprobs[mb] = token_logprobs(ref_model, input_ids[mb], attention_mask[mb], T,
                                                           args.temperature)[0]
                     old_values[mb] = critic(input_ids[mb], attention_mask[mb], T)  # PPO
+            if isinstance(ref_model, FSDPModule):  # never run backward, so FSDP2 would keep its root's weights gathered
+                ref_model.reshard()
 
             # 5. PPO: per-token rewards (KL penalty, score on the last token), GAE, advantages whitened over the batch
             token_rewards, non_score = compute_rewards(reward, old_logprobs, ref_logprobs, completion_mask, args.beta)
