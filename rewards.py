@@ -233,6 +233,8 @@ def make_countdown(rng: random.Random, difficulty: int) -> dict:
 
 def builtin_task(name: str, difficulty: int, seed: int = 0) -> Task:
     """Distinct records from a fixed seed, so every run sees the same train and test splits."""
+    if not 1 <= difficulty <= 4:
+        raise ValueError(f"--difficulty must be 1, 2, 3 or 4, got {difficulty}")
     make = make_arithmetic if name == "arithmetic" else make_countdown
     rng, records, seen = random.Random(seed), [], set()
     for _ in range(20 * sum(BUILTIN_SIZES)):  # bounded: small difficulties have few distinct records
@@ -246,19 +248,15 @@ def builtin_task(name: str, difficulty: int, seed: int = 0) -> Task:
     return Task(records[n_test:], records[:n_test], countdown_reward if name == "countdown" else correctness_reward)
 
 
-def normalise_records(rows: list[dict], prompt_field: str, answer_field: str, source: str) -> list[dict]:
-    """Map raw rows to {"prompt", "answer"}; a GSM8K-style answer keeps only what follows '####'."""
-    if rows and (prompt_field not in rows[0] or answer_field not in rows[0]):
-        raise ValueError(
-            f"{source}: records need fields {prompt_field!r} and {answer_field!r} "
-            f"(set --prompt-field / --answer-field); found {sorted(rows[0])}"
-        )
-    records = []
-    for row in rows:
-        answer = str(row[answer_field])
-        answer = answer.split("####")[-1].strip() if "####" in answer else answer.strip()
-        records.append({"prompt": row[prompt_field], "answer": answer})
-    return records
+def to_record(row, prompt_field: str, answer_field: str, where: str) -> dict:
+    """One raw row as {"prompt", "answer"}, or a ValueError naming `where` it is, the field it lacks and those it has.
+    A GSM8K-style answer keeps only what follows '####'."""
+    for name in (prompt_field, answer_field):
+        if not isinstance(row, dict) or name not in row:
+            has = f"it has {sorted(row)}" if isinstance(row, dict) else f"it is a {type(row).__name__}"
+            raise ValueError(f"{where} has no field {name!r} ({has}; set --prompt-field / --answer-field)")
+    answer = str(row[answer_field])
+    return {"prompt": row[prompt_field], "answer": answer.split("####")[-1].strip()}
 
 
 def hold_out(records: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -267,51 +265,54 @@ def hold_out(records: list[dict]) -> tuple[list[dict], list[dict]]:
     return records[:-n_test], records[-n_test:]
 
 
-def load_task(
-    task: str, difficulty: int = 1, prompt_field: str = "prompt", answer_field: str = "answer"
-) -> Task:
-    """Resolve `--task`: a built-in name, a `.jsonl` path (last 10% held out), or a Hub dataset id (its test split,
-    or else the last 10% of its train split held out)."""
-    if task in BUILTIN_TASKS:
-        if not 1 <= difficulty <= 4:
-            raise ValueError(f"--difficulty must be 1, 2, 3 or 4, got {difficulty}")
-        return builtin_task(task, difficulty)
-    if task.endswith(".jsonl"):
-        if not os.path.isfile(task):
-            raise FileNotFoundError(f"--task {task}: no such file")
-        rows = []
-        with open(task) as f:
-            for number, line in enumerate(f, 1):  # name the line that is wrong, and what is wrong with it
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"--task {task}: line {number} is not valid JSON ({e.msg})") from None
-                missing = [name for name in (prompt_field, answer_field) if not isinstance(row, dict) or name not in row]
-                if missing:
-                    raise ValueError(f"--task {task}: line {number} has no field {missing[0]!r} "
-                                     f"(set --prompt-field / --answer-field)")
-                rows.append(row)
-        if len(rows) < 2:
-            raise ValueError(f"--task {task}: needs at least 2 records, found {len(rows)}" + (" (the file is empty)" if not rows else ""))
-        records = normalise_records(rows, prompt_field, answer_field, task)
-        return Task(*hold_out(records))
-    if "/" not in task:
-        raise ValueError(f"--task {task!r}: not one of {BUILTIN_TASKS}, a .jsonl file or a Hub dataset id")
+def jsonl_task(path: str, prompt_field: str, answer_field: str) -> Task:
+    """One record per line, blank lines skipped; the last 10% held out. An error names the line and what is wrong."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--task {path}: no such file")
+    records = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--task {path}: line {number} is not valid JSON ({e.msg})") from None
+            records.append(to_record(row, prompt_field, answer_field, f"--task {path}: line {number}"))
+    if len(records) < 2:
+        empty = " (the file is empty)" if not records else ""
+        raise ValueError(f"--task {path}: needs at least 2 records, found {len(records)}{empty}")
+    return Task(*hold_out(records))
+
+
+def hub_task(name: str, prompt_field: str, answer_field: str) -> Task:
+    """A Hub dataset: its test split, or else the last 10% of its train split held out. The prompt field falls back to
+    `question` (GSM8K and most QA sets), and each text prompt is told where the graded answer goes."""
     try:
         import datasets
     except ImportError as e:
-        raise ImportError(f"--task {task}: Hub datasets need `pip install datasets`") from e
-    ds = datasets.load_dataset(task, "main" if task == "openai/gsm8k" else None)
+        raise ImportError(f"--task {name}: Hub datasets need `pip install datasets`") from e
+    ds = datasets.load_dataset(name, "main" if name == "openai/gsm8k" else None)
     if prompt_field not in ds["train"].column_names and "question" in ds["train"].column_names:
-        prompt_field = "question"  # GSM8K and most QA sets
-    train = normalise_records(list(ds["train"]), prompt_field, answer_field, task)
-    if "test" in ds:
-        test = normalise_records(list(ds["test"]), prompt_field, answer_field, task)
-    else:  # no test split: hold out the end of train, never evaluate on what is trained on
-        train, test = hold_out(train)
-    for record in train + test:  # tell the model where the graded answer goes
+        prompt_field = "question"
+    splits = {split: [to_record(row, prompt_field, answer_field, f"--task {name}: {split} record {i}")
+                      for i, row in enumerate(ds[split])] for split in ("train", "test") if split in ds}
+    # no test split: hold out the end of train, never evaluate on what is trained on
+    train, test = (splits["train"], splits["test"]) if "test" in splits else hold_out(splits["train"])
+    for record in train + test:
         if isinstance(record["prompt"], str):
             record["prompt"] = f"{record['prompt']}\n{ANSWER_INSTRUCTION}"
     return Task(train, test)
+
+
+def load_task(
+    task: str, difficulty: int = 1, prompt_field: str = "prompt", answer_field: str = "answer"
+) -> Task:
+    """Resolve `--task`: a built-in name, a `.jsonl` path or a Hub dataset id (anything else with a '/')."""
+    if task in BUILTIN_TASKS:
+        return builtin_task(task, difficulty)
+    if task.endswith(".jsonl"):
+        return jsonl_task(task, prompt_field, answer_field)
+    if "/" in task:
+        return hub_task(task, prompt_field, answer_field)
+    raise ValueError(f"--task {task!r}: not one of {BUILTIN_TASKS}, a .jsonl file or a Hub dataset id")

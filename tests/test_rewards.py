@@ -1,4 +1,5 @@
 import itertools
+import re
 import sys
 import time
 import types
@@ -172,3 +173,30 @@ def test_jsonl_task(tmp_path):
         rewards.load_task(str(tmp_path / "missing.jsonl"))
     with pytest.raises(ValueError, match="not one of"):
         rewards.load_task("nonsense")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "needs at least 2 records, found 0 (the file is empty)"),
+    ('{"prompt": "1", "answer": "1"}\n{"prompt": "2", "answer"\n', "line 2 is not valid JSON"),
+    ('{"prompt": "1", "answer": "1"}\n\n{"prompt": "2"}\n', "line 3 has no field 'answer'"),
+    ("[1]\n[2]\n", "line 1 has no field 'prompt'")])
+def test_jsonl_errors_name_the_line_and_what_is_wrong(text, message, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(f"--task {path}: {message}")):
+        rewards.load_task(str(path))
+
+
+def test_hub_record_without_a_field_is_named(monkeypatch):
+    """The same field check as a .jsonl line's, naming the split and the record."""
+
+    class Split(list):
+        column_names = ("question", "answer")
+
+    rows = [{"question": f"q{i}", "answer": str(i)} for i in range(10)]
+    del rows[5]["answer"]
+    fake = types.ModuleType("datasets")
+    fake.load_dataset = lambda name, config=None: {"train": Split(rows)}
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    with pytest.raises(ValueError, match="--task someone/gaps: train record 5 has no field 'answer'"):
+        rewards.load_task("someone/gaps")
