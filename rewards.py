@@ -7,23 +7,41 @@ test split, plus the reward functions that score completions of it. `--task` nam
   - a Hugging Face Hub dataset id such as `openai/gsm8k` (needs the `datasets` package).
 
 Every reward function has the signature `fn(completions: list[str], answers: list[str]) -> list[float]`,
-never raises on any string, and runs in time linear in the length of its input.
+never raises on any string, and answers in bounded time: linear-time scans find the stated answer, and
+HuggingFace's math-verify (https://github.com/huggingface/Math-Verify) reads it when it is LaTeX (`\\$1{,}000`,
+`\\frac{3}{4}`, `5\\%`, at most MAX_ANSWER_CHARS characters) and compares it symbolically, under its time limit.
+Plain numbers are compared exactly, without it.
 """
 
+import functools
 import json
 import os
 import random
 import re
+import threading
 from dataclasses import dataclass
+from decimal import Decimal
 from fractions import Fraction
 from typing import Callable
+
+import sympy
+from math_verify import LatexExtractionConfig, parse, verify
+from math_verify.errors import TimeoutException
 
 ANSWER_INSTRUCTION = "Put your final answer in \\boxed{}."
 MAX_NUMBER_CHARS = 40  # longer "numbers" are never a valid answer; also keeps Fraction() cheap
 MAX_EXPRESSION_CHARS = 200  # countdown: the longest expression the parser will look at
-NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
-PLAIN_NUMBER_RE = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?")  # 12, -0.5, .5, 3/4: no exponent, no '_'
+MAX_ANSWER_CHARS = 300  # the longest answer handed to math-verify (MATH's are far shorter)
+MATH_VERIFY_SECONDS = 1  # its limit per parse and per comparison (a SIGALRM, so whole seconds)
+# LaTeX only: its ExprExtractionConfig hands text to sympy's parse_expr, which runs eval() on it
+MATH_VERIFY_CONFIG = [LatexExtractionConfig(boxed_match_priority=0)]
+NUMBER_RE = re.compile(r"[-\u2212]?\d[\d,]*(?:\.\d+)?|[-\u2212]?\.\d+")
+# 12, -0.5, .5, 3/4, 1,200: no exponent, no '_', and commas only between groups of three (2,5 is not 25)
+PLAIN_NUMBER_RE = re.compile(r"-?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)(?:/\d+)?")
 BRACE_RE = re.compile(r"\\boxed\{|\{|\}")
+# math-verify reads 2E999999 as a number, built in one C call that no time limit interrupts: it hangs
+E_NOTATION_RE = re.compile(r"[\d.][eE][+-]?\d")
+PERCENT = sympy.UnevaluatedExpr(sympy.Rational(1, 100))  # latex2sympy's `\\%`
 
 
 # ----------------------------------------------------------------------------- answer extraction
@@ -74,32 +92,109 @@ def extract_answer(text: str) -> str | None:
 
 
 def parse_number(text: str | None) -> Fraction | None:
-    """`12`, `12.0`, `1,200`, `$5`, `3/4`, `-0.5` -> an exact Fraction; anything else -> None.
+    """`12`, `12.0`, `1,200`, `$5`, `3/4`, `-0.5`, `\u22125` -> an exact Fraction; anything else (`2,5`, `4 2`) -> None.
 
     Only plain integers, decimals and fractions reach `Fraction`: `1e999999999` would make it build a
     billion-digit integer (a hang or a MemoryError inside the reward)."""
     if text is None:
         return None
-    text = text.strip().strip("$").replace(",", "").replace(" ", "").rstrip(".")
+    text = text.strip().strip("$").rstrip(".").replace("\u2212", "-")
     if len(text) > MAX_NUMBER_CHARS or not PLAIN_NUMBER_RE.fullmatch(text):
         return None
     try:
-        return Fraction(text)
+        return Fraction(text.replace(",", ""))
     except ZeroDivisionError:  # 3/0
         return None
 
 
+# ----------------------------------------------------------------------------- answer comparison
+def read_answer(text: str) -> list:
+    """math-verify's reading of an answer written as LaTeX: [a sympy value], or [] when it cannot read it in time.
+
+    Its time limit is a SIGALRM, which only the main thread can set: elsewhere it raises, and this returns []."""
+    if len(text) > MAX_ANSWER_CHARS or E_NOTATION_RE.search(text):
+        return []
+    try:
+        return parse(f"\\boxed{{{text}}}", MATH_VERIFY_CONFIG, fallback_mode="no_fallback",
+                     parsing_timeout=MATH_VERIFY_SECONDS)
+    except (Exception, TimeoutException):  # it catches its own errors; this is for those it lets through
+        return []
+
+
+@functools.lru_cache(maxsize=4096)
+def read_reference(text: str) -> tuple:
+    """`read_answer` of a reference, kept: a group of completions shares one."""
+    return tuple(read_answer(text))
+
+
+def exact_values(value) -> list[Fraction]:
+    """The numbers a value read by math-verify stands for, exactly; [] for anything else.
+
+    A number or a signed fraction of numbers (`-\\frac{\\frac{3}{2}}{2}`), perhaps a percentage (`5\\%` stands for 5 and
+    for 0.05, as in math-verify); not a sum or a product (`20 + 23`, `3 \\times 4`: the question restated), nor a
+    symbol or a set, except `\\textbf{25}`, read as a Symbol named '25', and `{5}`, read as the set {5}. A decimal keeps
+    the digits it was written with, so `\\$42.0000001` is not 42."""
+    if isinstance(value, sympy.Rational):  # Integer included
+        return [Fraction(int(value.p), int(value.q))]
+    if isinstance(value, sympy.Float):
+        number = Decimal(str(value))
+        return [Fraction(number)] if number.is_finite() and abs(number.adjusted()) < 400 else []
+    if isinstance(value, sympy.Symbol):
+        number = parse_number(value.name)
+        return [] if number is None else [number]
+    if isinstance(value, sympy.FiniteSet) and len(value.args) == 1:
+        return exact_values(value.args[0])
+    if not isinstance(value, sympy.Mul):
+        return []
+    result, numerators, percent = Fraction(1), 0, False
+    for factor in value.args:  # latex2sympy writes a/b as a * b**-1, -a as -1 * a, and a% as a * (1/100)
+        if factor == PERCENT:
+            percent = True
+        elif factor == -1:
+            result = -result
+        else:
+            inverse = isinstance(factor, sympy.Pow) and factor.exp == -1
+            parts = exact_values(factor.base if inverse else factor)
+            if len(parts) != 1 or (inverse and parts[0] == 0):
+                return []
+            numerators += not inverse
+            result = result / parts[0] if inverse else result * parts[0]
+    if numerators > 1:
+        return []
+    return [result, result / 100] if percent else [result]
+
+
+def same_answer(predicted: str | None, reference: str) -> bool:
+    """Whether a stated answer equals the reference.
+
+    A reference that is a plain number (GSM8K's, the built-in tasks') needs a number, compared exactly: `20 + 23` is
+    not 43 (else repeating the question would pay), nor is 42.0000001 42. Any other reference (MATH's `\\frac{\\pi}{2}`)
+    is compared by math-verify's `verify`, within its rounding; a word (`yes`) as text only, since math-verify reads
+    `yes` as the product of symbols y*e*s, equal to `sey`. Outside the main thread math-verify has no time limit, so
+    there only plain numbers and equal texts match."""
+    if predicted is None:
+        return False
+    predicted, reference = predicted.strip().replace("\u2212", "-"), reference.strip()
+    if predicted == reference:
+        return True
+    exact, number = parse_number(reference), parse_number(predicted)
+    if exact is not None and number is not None:  # the cheap path, which most answers take
+        return number == exact
+    if reference.isalpha() or threading.current_thread() is not threading.main_thread():
+        return False
+    try:  # sympy can raise almost anything, and a reward must not
+        if exact is not None:
+            return any(exact in exact_values(value) for value in read_answer(predicted))
+        gold, guess = read_reference(reference), read_answer(predicted)
+        return bool(gold and guess) and verify(list(gold), guess, timeout_seconds=MATH_VERIFY_SECONDS)
+    except (Exception, TimeoutException):
+        return False
+
+
 # ----------------------------------------------------------------------------- reward functions
 def correctness_reward(completions: list[str], answers: list[str]) -> list[float]:
-    """1.0 when the completion's final answer equals the reference numerically (or as text), else 0.0."""
-    scores = []
-    for completion, answer in zip(completions, answers):
-        predicted, reference = extract_answer(completion), parse_number(answer)
-        if reference is None:  # a non-numeric reference: compare the stripped text
-            scores.append(float(predicted is not None and predicted == answer.strip()))
-        else:
-            scores.append(float(parse_number(predicted) == reference))
-    return scores
+    """1.0 when the completion's final answer (`extract_answer`) equals the reference (`same_answer`), else 0.0."""
+    return [float(same_answer(extract_answer(c), a)) for c, a in zip(completions, answers)]
 
 
 def format_reward(completions: list[str], answers: list[str]) -> list[float]:
@@ -233,6 +328,8 @@ def make_countdown(rng: random.Random, difficulty: int) -> dict:
 
 def builtin_task(name: str, difficulty: int, seed: int = 0) -> Task:
     """Distinct records from a fixed seed, so every run sees the same train and test splits."""
+    if not 1 <= difficulty <= 4:
+        raise ValueError(f"--difficulty must be 1, 2, 3 or 4, got {difficulty}")
     make = make_arithmetic if name == "arithmetic" else make_countdown
     rng, records, seen = random.Random(seed), [], set()
     for _ in range(20 * sum(BUILTIN_SIZES)):  # bounded: small difficulties have few distinct records
@@ -246,19 +343,15 @@ def builtin_task(name: str, difficulty: int, seed: int = 0) -> Task:
     return Task(records[n_test:], records[:n_test], countdown_reward if name == "countdown" else correctness_reward)
 
 
-def normalise_records(rows: list[dict], prompt_field: str, answer_field: str, source: str) -> list[dict]:
-    """Map raw rows to {"prompt", "answer"}; a GSM8K-style answer keeps only what follows '####'."""
-    if rows and (prompt_field not in rows[0] or answer_field not in rows[0]):
-        raise ValueError(
-            f"{source}: records need fields {prompt_field!r} and {answer_field!r} "
-            f"(set --prompt-field / --answer-field); found {sorted(rows[0])}"
-        )
-    records = []
-    for row in rows:
-        answer = str(row[answer_field])
-        answer = answer.split("####")[-1].strip() if "####" in answer else answer.strip()
-        records.append({"prompt": row[prompt_field], "answer": answer})
-    return records
+def to_record(row, prompt_field: str, answer_field: str, where: str) -> dict:
+    """One raw row as {"prompt", "answer"}, or a ValueError naming `where` it is, the field it lacks and those it has.
+    A GSM8K-style answer keeps only what follows '####'."""
+    for name in (prompt_field, answer_field):
+        if not isinstance(row, dict) or name not in row:
+            has = f"it has {sorted(row)}" if isinstance(row, dict) else f"it is a {type(row).__name__}"
+            raise ValueError(f"{where} has no field {name!r} ({has}; set --prompt-field / --answer-field)")
+    answer = str(row[answer_field])
+    return {"prompt": row[prompt_field], "answer": answer.split("####")[-1].strip()}
 
 
 def hold_out(records: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -267,51 +360,54 @@ def hold_out(records: list[dict]) -> tuple[list[dict], list[dict]]:
     return records[:-n_test], records[-n_test:]
 
 
-def load_task(
-    task: str, difficulty: int = 1, prompt_field: str = "prompt", answer_field: str = "answer"
-) -> Task:
-    """Resolve `--task`: a built-in name, a `.jsonl` path (last 10% held out), or a Hub dataset id (its test split,
-    or else the last 10% of its train split held out)."""
-    if task in BUILTIN_TASKS:
-        if not 1 <= difficulty <= 4:
-            raise ValueError(f"--difficulty must be 1, 2, 3 or 4, got {difficulty}")
-        return builtin_task(task, difficulty)
-    if task.endswith(".jsonl"):
-        if not os.path.isfile(task):
-            raise FileNotFoundError(f"--task {task}: no such file")
-        rows = []
-        with open(task) as f:
-            for number, line in enumerate(f, 1):  # name the line that is wrong, and what is wrong with it
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"--task {task}: line {number} is not valid JSON ({e.msg})") from None
-                missing = [name for name in (prompt_field, answer_field) if not isinstance(row, dict) or name not in row]
-                if missing:
-                    raise ValueError(f"--task {task}: line {number} has no field {missing[0]!r} "
-                                     f"(set --prompt-field / --answer-field)")
-                rows.append(row)
-        if len(rows) < 2:
-            raise ValueError(f"--task {task}: needs at least 2 records, found {len(rows)}" + (" (the file is empty)" if not rows else ""))
-        records = normalise_records(rows, prompt_field, answer_field, task)
-        return Task(*hold_out(records))
-    if "/" not in task:
-        raise ValueError(f"--task {task!r}: not one of {BUILTIN_TASKS}, a .jsonl file or a Hub dataset id")
+def jsonl_task(path: str, prompt_field: str, answer_field: str) -> Task:
+    """One record per line, blank lines skipped; the last 10% held out. An error names the line and what is wrong."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--task {path}: no such file")
+    records = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--task {path}: line {number} is not valid JSON ({e.msg})") from None
+            records.append(to_record(row, prompt_field, answer_field, f"--task {path}: line {number}"))
+    if len(records) < 2:
+        empty = " (the file is empty)" if not records else ""
+        raise ValueError(f"--task {path}: needs at least 2 records, found {len(records)}{empty}")
+    return Task(*hold_out(records))
+
+
+def hub_task(name: str, prompt_field: str, answer_field: str) -> Task:
+    """A Hub dataset: its test split, or else the last 10% of its train split held out. The prompt field falls back to
+    `question` (GSM8K and most QA sets), and each text prompt is told where the graded answer goes."""
     try:
         import datasets
     except ImportError as e:
-        raise ImportError(f"--task {task}: Hub datasets need `pip install datasets`") from e
-    ds = datasets.load_dataset(task, "main" if task == "openai/gsm8k" else None)
+        raise ImportError(f"--task {name}: Hub datasets need `pip install datasets`") from e
+    ds = datasets.load_dataset(name, "main" if name == "openai/gsm8k" else None)
     if prompt_field not in ds["train"].column_names and "question" in ds["train"].column_names:
-        prompt_field = "question"  # GSM8K and most QA sets
-    train = normalise_records(list(ds["train"]), prompt_field, answer_field, task)
-    if "test" in ds:
-        test = normalise_records(list(ds["test"]), prompt_field, answer_field, task)
-    else:  # no test split: hold out the end of train, never evaluate on what is trained on
-        train, test = hold_out(train)
-    for record in train + test:  # tell the model where the graded answer goes
+        prompt_field = "question"
+    splits = {split: [to_record(row, prompt_field, answer_field, f"--task {name}: {split} record {i}")
+                      for i, row in enumerate(ds[split])] for split in ("train", "test") if split in ds}
+    # no test split: hold out the end of train, never evaluate on what is trained on
+    train, test = (splits["train"], splits["test"]) if "test" in splits else hold_out(splits["train"])
+    for record in train + test:
         if isinstance(record["prompt"], str):
             record["prompt"] = f"{record['prompt']}\n{ANSWER_INSTRUCTION}"
     return Task(train, test)
+
+
+def load_task(
+    task: str, difficulty: int = 1, prompt_field: str = "prompt", answer_field: str = "answer"
+) -> Task:
+    """Resolve `--task`: a built-in name, a `.jsonl` path or a Hub dataset id (anything else with a '/')."""
+    if task in BUILTIN_TASKS:
+        return builtin_task(task, difficulty)
+    if task.endswith(".jsonl"):
+        return jsonl_task(task, prompt_field, answer_field)
+    if "/" in task:
+        return hub_task(task, prompt_field, answer_field)
+    raise ValueError(f"--task {task!r}: not one of {BUILTIN_TASKS}, a .jsonl file or a Hub dataset id")

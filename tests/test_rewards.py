@@ -1,5 +1,9 @@
+import builtins
 import itertools
+import os
+import re
 import sys
+import threading
 import time
 import types
 from fractions import Fraction
@@ -86,6 +90,90 @@ def test_correctness_reward_numeric_equivalence(completion, answer, expected):
     assert rewards.correctness_reward([completion], [answer]) == [expected]
 
 
+@pytest.mark.parametrize(
+    "completion, answer, expected",
+    [("\\boxed{\\$5}", "5", 1.0), ("\\boxed{\\$1,000.00}", "1000", 1.0), ("\\boxed{1{,}000}", "1000", 1.0),
+     ("\\boxed{5\\%}", "5", 1.0), ("\\boxed{5\\%}", "0.05", 1.0), ("\\boxed{5 \\text{ apples}}", "5", 1.0),
+     ("\\boxed{\\textbf{25}}", "25", 1.0), ("\\boxed{\\frac{3}{4}}", "0.75", 1.0),
+     ("\\boxed{-\\frac{1}{2}}", "-0.5", 1.0), ("\\boxed{-\\frac{1}{2}}", "-1/2", 1.0),
+     ("\\boxed{\u22125}", "-5", 1.0), ("so it is \u22125 degrees", "-5", 1.0),
+     ("\\boxed{\\dfrac{84}{2}}", "42", 1.0), ("\\boxed{x = \\$12}", "12", 1.0),
+     # wrong answers that plain-number parsing used to pass
+     ("\\boxed{2,5}", "25", 0.0), ("\\boxed{4 2}", "42", 0.0),
+     # a plain-number reference wants a number, compared exactly
+     ("\\boxed{20 + 23}", "43", 0.0), ("\\boxed{3 \\times 4}", "12", 0.0), ("\\boxed{\\$42.0000001}", "42", 0.0),
+     ("\\boxed{\\frac{3}{5}}", "0.75", 0.0), ("\\boxed{5\\%}", "6", 0.0), ("\\boxed{\\sqrt{4}}", "2", 0.0),
+     # MATH-style references: math-verify's symbolic comparison
+     ("\\boxed{\\dfrac{\\pi}{2}}", "\\frac{\\pi}{2}", 1.0), ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+     ("\\boxed{x^2 + 1}", "1 + x^2", 1.0), ("\\boxed{\\frac{\\pi}{3}}", "\\frac{\\pi}{2}", 0.0),
+     ("\\boxed{(1, 2)}", "(1,2)", 1.0), ("\\boxed{sey}", "yes", 0.0)],  # a word is compared as text, not as y*e*s
+)
+def test_correctness_reward_reads_what_gsm8k_and_math_models_write(completion, answer, expected):
+    assert rewards.correctness_reward([completion], [answer]) == [expected]
+
+
+@pytest.mark.parametrize(
+    "completion, answer, expected",
+    [("\\boxed{\\frac{\\frac{3}{2}}{2}}", "0.75", 1.0), ("\\boxed{-\\frac{\\frac{1}{2}}{\\frac{1}{4}}}", "-2", 1.0),
+     ("\\boxed{{{\\frac{3}{4}}}}", "0.75", 1.0), ("\\boxed{\\boxed{7}}", "7", 1.0),
+     ("\\boxed{\\left(\\frac{1}{2}\\right)}", "0.5", 1.0),
+     ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt{3}}{2}", 1.0),
+     ("\\boxed{\\frac{3}{4}}}}", "0.75", 1.0),  # stray closing braces after the box
+     ("\\boxed{\\frac{3}{4}", "0.75", 0.0),  # an unclosed box: the last number, 4, is the answer
+     ("\\boxed{\\frac{1}{0}}", "0", 0.0), ("\\boxed{\\left( 3 }", "3", 0.0),
+     ("\\boxed{\\frac{1}{2}", "\\frac{1}{2}", 0.0)],
+)
+def test_correctness_reward_on_nested_and_unbalanced_latex(completion, answer, expected):
+    assert rewards.correctness_reward([completion], [answer]) == [expected]
+
+
+@pytest.mark.parametrize("text", ["<answer>\\frac{3}{4</answer>", "\\boxed{\\frac{", "\\boxed{\\left(\\right.}",
+                                  "\\boxed{\\begin{pmatrix}1 & 2}", "\\boxed{\\sqrt[}", "\\boxed{^{_{}}}",
+                                  "\\boxed{\\}"])
+def test_correctness_reward_never_raises_on_broken_latex(text):
+    assert rewards.correctness_reward([text, text], ["0.75", "\\frac{3}{4}"])[0] in (0.0, 1.0)
+
+
+def test_nothing_from_the_model_is_executed(monkeypatch):
+    """math-verify's plain-expression reader hands text to sympy's parse_expr, an eval(); only its LaTeX reader (an
+    ANTLR grammar) is used, and sympy evals the number tokens it lexes, never the text around them. A canary name in
+    the completions must reach no eval or exec."""
+    run = []
+    real_eval, real_exec = builtins.eval, builtins.exec
+    monkeypatch.setattr(builtins, "eval", lambda source, *a: run.append(str(source)) or real_eval(source, *a))
+    monkeypatch.setattr(builtins, "exec", lambda source, *a: run.append(str(source)) or real_exec(source, *a))
+    monkeypatch.setattr(os, "system", lambda command: pytest.fail(f"os.system({command!r})"))
+    completions = ["\\boxed{__import__('os').system('canary')}", "\\boxed{1 + canary}", "<answer>canary(1)</answer>",
+                   "\\boxed{\\text{canary.__class__}}", "1 + 1 = canary"]
+    for answer in ["5", "\\frac{1}{2}", "x + 1"]:
+        assert rewards.correctness_reward(completions, [answer] * len(completions)) == [0.0] * len(completions)
+    assert not [source for source in run if "canary" in source or "__import__" in source]
+    assert all(type(config).__name__ == "LatexExtractionConfig" for config in rewards.MATH_VERIFY_CONFIG)
+
+
+@pytest.mark.parametrize("text", ["9^{9^{9^{9}}}", "(10^{8})!", "\\binom{10^{9}}{10^{8}}", "2E999999", "1.5E+999999",
+                                  "\\prod_{n=1}^{10^{6}} n", "10^{10^{8}} - 10^{10^{8}} + 5"])
+def test_answers_that_are_slow_to_evaluate_score_0_in_bounded_time(text):
+    """math-verify's time limit stops sympy; numbers in E-notation, which sympy would build in one uninterruptible C
+    call (2E999999 hangs), never reach it."""
+    for answer in ["5", "\\frac{1}{2}"]:
+        start = time.perf_counter()
+        assert rewards.correctness_reward([f"\\boxed{{{text}}}"], [answer]) == [0.0]
+        assert time.perf_counter() - start < 5.0
+
+
+def test_off_the_main_thread_only_plain_answers_are_graded():
+    """math-verify's time limit is a SIGALRM, which only the main thread can set: elsewhere the reward neither raises
+    nor hangs, and grades plain numbers and equal texts only."""
+    scores = []
+    thread = threading.Thread(target=lambda: scores.append(rewards.correctness_reward(
+        ["\\boxed{12}", "\\boxed{\\frac{3}{4}}", "\\boxed{9^{9^{9^{9}}}}", "\\boxed{\\frac{1}{2}}"],
+        ["12", "0.75", "\\frac{1}{2}", "\\frac{1}{2}"])))
+    thread.start()
+    thread.join(timeout=30)
+    assert scores == [[1.0, 0.0, 0.0, 1.0]]
+
+
 def test_format_reward():
     texts = ["\\boxed{3}", "<answer>3</answer>", "3", "\\boxed{3", "\\boxed{}", "<answer> </answer>", "\\boxed{x}",
              "\\boxed{3} then \\boxed{}"]
@@ -105,8 +193,8 @@ def test_rewards_stay_linear_on_generated_hostile_strings(unit, tail):
     """Any pattern of the characters the checkers look for, repeated to about 200k characters: a scan that is not
     linear-time would take minutes on such a string; each checker must answer 0 or 1 in a few seconds."""
     text = "".join(unit) * (200_000 // len("".join(unit))) + tail
-    for fn, answer in [(rewards.correctness_reward, "9"), (rewards.format_reward, "9"),
-                       (rewards.countdown_reward, "24|4,6,1")]:
+    for fn, answer in [(rewards.correctness_reward, "9"), (rewards.correctness_reward, "\\frac{1}{2}"),
+                       (rewards.format_reward, "9"), (rewards.countdown_reward, "24|4,6,1")]:
         start = time.perf_counter()
         assert fn([text], [answer])[0] in (0.0, 1.0)
         assert time.perf_counter() - start < 5.0
@@ -114,8 +202,8 @@ def test_rewards_stay_linear_on_generated_hostile_strings(unit, tail):
 
 @pytest.mark.parametrize("text", HOSTILE, ids=lambda t: f"{t[:10]!r}x{len(t)}")
 def test_rewards_never_raise_and_stay_fast_on_hostile_strings(text):
-    for fn, answer in [(rewards.correctness_reward, "9"), (rewards.format_reward, "9"),
-                       (rewards.countdown_reward, "24|4,6,1")]:
+    for fn, answer in [(rewards.correctness_reward, "9"), (rewards.correctness_reward, "\\frac{1}{2}"),
+                       (rewards.format_reward, "9"), (rewards.countdown_reward, "24|4,6,1")]:
         start = time.perf_counter()
         scores = fn([text], [answer])
         assert len(scores) == 1 and scores[0] in (0.0, 1.0)
@@ -139,9 +227,16 @@ def test_parse_number_accepts_only_plain_numbers(text):
 
 
 @pytest.mark.parametrize("text, value", [("12", 12), ("-0.5", Fraction(-1, 2)), (".5", Fraction(1, 2)),
-                                         ("3/4", Fraction(3, 4)), ("$1,200.", 1200), ("7.", 7), (" 4 2 ", 42)])
+                                         ("3/4", Fraction(3, 4)), ("$1,200.", 1200), ("7.", 7),
+                                         (" 1,234,567 ", 1234567), ("\u22125", -5)])
 def test_parse_number_plain_forms(text, value):
     assert rewards.parse_number(text) == value
+
+
+@pytest.mark.parametrize("text", ["4 2", "2,5", "1,2345", "12,34", ",5"])
+def test_parse_number_rejects_what_is_not_one_number(text):
+    """Spaces and commas are no longer dropped: `4 2` and `2,5` are not 42 and 25."""
+    assert rewards.parse_number(text) is None
 
 
 def test_hub_dataset_without_a_test_split_holds_out_part_of_train(monkeypatch):
@@ -172,3 +267,30 @@ def test_jsonl_task(tmp_path):
         rewards.load_task(str(tmp_path / "missing.jsonl"))
     with pytest.raises(ValueError, match="not one of"):
         rewards.load_task("nonsense")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "needs at least 2 records, found 0 (the file is empty)"),
+    ('{"prompt": "1", "answer": "1"}\n{"prompt": "2", "answer"\n', "line 2 is not valid JSON"),
+    ('{"prompt": "1", "answer": "1"}\n\n{"prompt": "2"}\n', "line 3 has no field 'answer'"),
+    ("[1]\n[2]\n", "line 1 has no field 'prompt'")])
+def test_jsonl_errors_name_the_line_and_what_is_wrong(text, message, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(f"--task {path}: {message}")):
+        rewards.load_task(str(path))
+
+
+def test_hub_record_without_a_field_is_named(monkeypatch):
+    """The same field check as a .jsonl line's, naming the split and the record."""
+
+    class Split(list):
+        column_names = ("question", "answer")
+
+    rows = [{"question": f"q{i}", "answer": str(i)} for i in range(10)]
+    del rows[5]["answer"]
+    fake = types.ModuleType("datasets")
+    fake.load_dataset = lambda name, config=None: {"train": Split(rows)}
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    with pytest.raises(ValueError, match="--task someone/gaps: train record 5 has no field 'answer'"):
+        rewards.load_task("someone/gaps")
