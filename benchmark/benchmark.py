@@ -1,11 +1,12 @@
-"""The four algorithms side by side: the same model, task, seeds and completions per step, in one output folder with a
-markdown table (table.md) and a figure (figure.png). It runs the scripts as a user does and reads back what they log
-to TensorBoard (charts/time_*, charts/tokens_*, the rewards and losses); it re-implements nothing of them.
+"""The four algorithms side by side: the same model, task, seeds and completions per step, in one output folder with
+markdown tables (table.md: quality, then speed) and a figure (figure.png). It runs the scripts as a user does and reads
+back the arguments each run wrote (runs/{run_name}/args.json) and what it logged to TensorBoard beside them
+(charts/time_*, charts/tokens_*, the rewards and losses); it re-implements nothing of them.
 
-    python benchmark/benchmark.py                                 # CPU preset: SmolLM2-135M-Instruct, arithmetic, seed 1
-    python benchmark/benchmark.py --preset gpu                    # Qwen2.5-0.5B-Instruct, 128 completions a step, 1 GPU
+    python benchmark/benchmark.py                                   # CPU: SmolLM2-135M-Instruct, arithmetic, seed 1
+    python benchmark/benchmark.py --preset gpu                      # Qwen2.5-0.5B-Instruct, 128 completions a step
     python benchmark/benchmark.py --seeds 1 2 3 --scripts grpo gspo   # any subset, any seeds
-    python benchmark/benchmark.py --report-only --out benchmark/cpu   # redraw the table and figure from runs there
+    python benchmark/benchmark.py --report-only --out benchmark/cpu   # redraw the tables and figure from runs there
 
 Floating-point work per step, from the logged token counts (each prompt counted once per group, no padding; the
 work that is needed, whatever the script computes): 2 x N FLOPs per sampled token and per token of each forward-only
@@ -19,7 +20,6 @@ by the time it took and by the peak measured here, before the runs, with a large
 import glob
 import json
 import os
-import re
 import shlex
 import statistics
 import subprocess
@@ -120,6 +120,9 @@ def matmul_parameters(model: str) -> tuple[int, int, int]:
 
 
 def read_runs(out: str) -> list[dict]:
+    """Each run in `out`: its script and seed (from its folder's name), its arguments (the args.json it wrote beside
+    its TensorBoard events), its scalars as (step, value, wall time), and when it started: the first TensorBoard
+    event, written when the script opened its writer, after loading the model and just before evaluation 0."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     runs = []
@@ -127,19 +130,27 @@ def read_runs(out: str) -> list[dict]:
         logs = glob.glob(os.path.join(folder, "runs", "*"))
         if not logs:
             continue
+        args_file = os.path.join(logs[0], "args.json")
+        if not os.path.isfile(args_file):
+            raise SystemExit(f"error: {args_file}: no such file (the run's arguments, which the scripts write)")
+        with open(args_file) as f:
+            args = json.load(f)
         events = EventAccumulator(logs[0], size_guidance={"scalars": 0, "tensors": 0})
         events.Reload()
-        scalars = {tag: [(e.step, e.value, e.wall_time) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
-        hyperparameters = events.Tensors("hyperparameters/text_summary")[0]  # logged once, just before evaluation 0
-        table = hyperparameters.tensor_proto.string_val[0].decode()
-        hyper = dict(re.findall(r"^\|(\w+)\|(.*)\|$", table, re.M))
+        scalars = {tag: [(e.step, e.value, e.wall_time) for e in events.Scalars(tag)]
+                   for tag in events.Tags()["scalars"]}
         name, seed = os.path.basename(folder).rsplit("_s", 1)
-        runs.append({"script": name, "seed": int(seed), "scalars": scalars, "args": hyper, "start": hyperparameters.wall_time})
+        runs.append({"script": name, "seed": int(seed), "scalars": scalars, "args": args,
+                     "start": events.FirstEventTimestamp()})
     return sorted(runs, key=lambda r: (SCRIPTS.index(r["script"]), r["seed"]))
 
 
 def series(run: dict, tag: str) -> list[float]:
     return [v for _, v, _ in run["scalars"].get(tag, [])]
+
+
+def mean(run: dict, tag: str) -> float:
+    return statistics.mean(series(run, tag))
 
 
 def forward_flops(n: int, layers: int, width: int, context: float) -> float:
@@ -151,49 +162,55 @@ def forward_flops(n: int, layers: int, width: int, context: float) -> float:
 def step_work(run: dict, n: int, layers: int, width: int) -> dict[str, float]:
     """Mean FLOPs per step of each phase (sample, forward, train), from the logged token counts."""
     s, args = run["scalars"], run["args"]
-    completions = int(args["num_prompts"]) * int(args["group_size"])
+    completions = args["num_prompts"] * args["group_size"]
     rounds = statistics.mean(series(run, "charts/sampling_rounds") or [1])  # DAPO samples several rounds
     completion = statistics.mean(series(run, "charts/completion_length_mean"))
-    prompt = (statistics.mean(series(run, "charts/tokens_sampled")) / (completions * rounds) - completion) * int(args["group_size"])
+    sampled = statistics.mean(series(run, "charts/tokens_sampled")) / (completions * rounds)  # per completion
+    prompt = (sampled - completion) * args["group_size"]  # each prompt counted once per group
     per_token = forward_flops(n, layers, width, prompt + completion / 2)  # at the mean context
     return {phase: factor * per_token * statistics.mean(series(run, f"charts/tokens_{phase}"))
             for phase, factor in [("sampled", 1), ("forward", 1), ("trained", 3)] if s.get(f"charts/tokens_{phase}")}
 
 
 def report(args: Args, peak: float) -> str:
+    """Two tables: quality (held-out accuracy per run, then per script over its seeds) and speed (time, throughput,
+    memory and floating-point work per run)."""
     runs = read_runs(args.out)
     if not runs:
         raise SystemExit(f"error: no runs in {args.out}")
     n, layers, width = matmul_parameters(runs[0]["args"]["model"])
-    lines = [f"Peak: {peak / 1e9:.1f} GFLOP/s (a {str(PRESETS[args.preset]['dtype'])[6:]} matmul, "
-             f"{PRESETS[args.preset]['threads'] or 'all'} thread(s)); N = {n / 1e6:.1f}M parameters that multiply.", "",
-             "| script | seed | held-out accuracy, first -> last eval | steps | wall min | s/step | sample / score / logprobs"
-             " / train s | sampled tok/s | trained tok/s | peak GB | GFLOP/step sample / forward / train | % peak: step, train |",
-             "|" + "---|" * 12]
+    preset = PRESETS[args.preset]
+    quality = ["## Quality", "", "| script | seed | steps | held-out accuracy, first -> last eval |", "|" + "---|" * 4]
+    speed = ["## Speed", "", f"Peak: {peak / 1e9:.1f} GFLOP/s (a {str(preset['dtype'])[6:]} matmul, "
+             f"{preset['threads'] or 'all'} thread(s)); N = {n / 1e6:.1f}M parameters that multiply.", "",
+             "| script | seed | wall min | s/step | sample / score / logprobs / train s | sampled tok/s "
+             "| trained tok/s | peak GB | GFLOP/step sample / forward / train | % peak: step, train |",
+             "|" + "---|" * 10]
     for run in runs:
         accuracy, steps = series(run, "charts/eval_accuracy"), series(run, "charts/step_seconds")
-        mean = lambda tag: statistics.mean(series(run, tag))
+        quality.append(f"| {run['script']} | {run['seed']} | {len(steps)} | {accuracy[0]:.3f} -> {accuracy[-1]:.3f} |")
         work = step_work(run, n, layers, width)
-        flops = sum(work.values())
-        wall = max(w for values in run["scalars"].values() for _, _, w in values) - run["start"]  # model loading not counted
-        phases = " / ".join(f"{mean('charts/' + p):.1f}" for p in PHASES)
+        wall = max(w for values in run["scalars"].values() for _, _, w in values) - run["start"]  # loading not counted
+        phases = " / ".join(f"{mean(run, 'charts/' + p):.1f}" for p in PHASES)
+        memory = max(series(run, "charts/peak_memory_gb"))
         gflops = " / ".join(f"{work.get(k, 0) / 1e9:.3g}" for k in ["sampled", "forward", "trained"])
-        lines.append(
-            f"| {run['script']} | {run['seed']} | {accuracy[0]:.3f} -> {accuracy[-1]:.3f} | {len(steps)} | {wall / 60:.1f} | "
-            f"{statistics.mean(steps):.1f} | {phases} | {mean('charts/sample_tokens_per_second'):.0f} | "
-            f"{mean('charts/train_tokens_per_second'):.0f} | {max(series(run, 'charts/peak_memory_gb')):.1f} | {gflops} | "
-            f"{100 * flops / statistics.mean(steps) / peak:.0f}%, {100 * work['trained'] / mean('charts/time_train') / peak:.0f}% |")
-    lines += ["", "| script | seeds | held-out accuracy before | after, mean (range) | change, mean (range) | seeds with +0.2 "
-              "or more |", "|" + "---|" * 6]
+        step_peak = sum(work.values()) / statistics.mean(steps) / peak
+        train_peak = work["trained"] / mean(run, "charts/time_train") / peak
+        speed.append(f"| {run['script']} | {run['seed']} | {wall / 60:.1f} | {statistics.mean(steps):.1f} | {phases} "
+                     f"| {mean(run, 'charts/sample_tokens_per_second'):.0f} "
+                     f"| {mean(run, 'charts/train_tokens_per_second'):.0f} "
+                     f"| {memory:.1f} | {gflops} | {step_peak:.0%}, {train_peak:.0%} |")
+    quality += ["", "| script | seeds | held-out accuracy before | after, mean (range) | change, mean (range) "
+                "| seeds with +0.2 or more |", "|" + "---|" * 6]
     for name in dict.fromkeys(r["script"] for r in runs):
         curves = [series(r, "charts/eval_accuracy") for r in runs if r["script"] == name]
         before, after = [c[0] for c in curves], [c[-1] for c in curves]
         change = [b - a for a, b in zip(before, after)]
-        lines.append(f"| {name} | {len(curves)} | {statistics.mean(before):.3f} | {statistics.mean(after):.3f} "
-                     f"({min(after):.3f}-{max(after):.3f}) | {statistics.mean(change):+.3f} ({min(change):+.3f} to "
-                     f"{max(change):+.3f}) | {sum(c >= 0.2 - 1e-9 for c in change)} of {len(curves)} |")
+        quality.append(f"| {name} | {len(curves)} | {statistics.mean(before):.3f} | {statistics.mean(after):.3f} "
+                       f"({min(after):.3f}-{max(after):.3f}) | {statistics.mean(change):+.3f} ({min(change):+.3f} to "
+                       f"{max(change):+.3f}) | {sum(c >= 0.2 - 1e-9 for c in change)} of {len(curves)} |")
     figure(runs, os.path.join(args.out, "figure.png"))
-    return "\n".join(lines) + "\n"
+    return "\n".join(quality + [""] + speed) + "\n"
 
 
 def figure(runs: list[dict], path: str) -> None:
@@ -203,7 +220,8 @@ def figure(runs: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     colors = {name: f"C{i}" for i, name in enumerate(SCRIPTS)}
-    panels = [("charts/reward_mean", "reward (sampled)", False), ("charts/eval_accuracy", "held-out greedy accuracy", False),
+    panels = [("charts/reward_mean", "reward (sampled)", False),
+              ("charts/eval_accuracy", "held-out greedy accuracy", False),
               ("charts/eval_accuracy", "held-out accuracy vs wall-clock s", True),
               ("charts/completion_length_mean", "completion length (tokens)", False),
               ("losses/clip_fraction", "clip fraction (tokens)", False),
@@ -213,8 +231,10 @@ def figure(runs: list[dict], path: str) -> None:
         for run in runs:
             points = run["scalars"].get(tag, [])
             x = [w - run["start"] if wall else s for s, _, w in points]
-            label = run["script"] if run["seed"] == min(r["seed"] for r in runs if r["script"] == run["script"]) else None
-            ax.plot(x, [v for _, v, _ in points], color=colors.get(run["script"]), label=label, marker="." if "eval" in tag else None)
+            first_seed = min(r["seed"] for r in runs if r["script"] == run["script"])
+            label = run["script"] if run["seed"] == first_seed else None  # one legend entry per script
+            ax.plot(x, [v for _, v, _ in points], color=colors.get(run["script"]), label=label,
+                    marker="." if "eval" in tag else None)
             if tag == "losses/token_log_ratio_std":
                 ax.plot([s for s, _, _ in run["scalars"].get("losses/seq_log_ratio_std", [])],
                         series(run, "losses/seq_log_ratio_std"), color=colors.get(run["script"]), linestyle="--")
@@ -225,13 +245,15 @@ def figure(runs: list[dict], path: str) -> None:
     ax = axes.flat[6]  # the time of a step, split into its phases (mean over steps and seeds)
     bottom = [0.0] * len(scripts)
     for i, phase in enumerate(PHASES):
-        heights = [statistics.mean(v for r in runs if r["script"] == s for v in series(r, f"charts/{phase}")) for s in scripts]
+        heights = [statistics.mean(v for r in runs if r["script"] == s for v in series(r, f"charts/{phase}"))
+                   for s in scripts]
         ax.bar(scripts, heights, bottom=bottom, label=phase[5:], color=f"C{4 + i}")  # not the scripts' colours
         bottom = [b + h for b, h in zip(bottom, heights)]
     ax.set_title("seconds per step, by phase")
     ax.legend()
     ax = axes.flat[7]
-    for i, (tag, label) in enumerate([("charts/sample_tokens_per_second", "sampled"), ("charts/train_tokens_per_second", "trained")]):
+    rates = [("charts/sample_tokens_per_second", "sampled"), ("charts/train_tokens_per_second", "trained")]
+    for i, (tag, label) in enumerate(rates):
         values = [statistics.mean(v for r in runs if r["script"] == s for v in series(r, tag)) for s in scripts]
         ax.bar([j + 0.4 * i for j in range(len(scripts))], values, width=0.4, label=label, color=f"C{8 + i}")
     ax.set_xticks([j + 0.2 for j in range(len(scripts))], scripts)
@@ -252,10 +274,15 @@ def main(args: Args) -> None:
         with open(peak_file, "w") as f:  # measured before the runs, on the idle machine
             json.dump({"flops": matmul_peak(preset["dtype"], preset["threads"])}, f)
         run_all(args, preset)
-    peak = json.load(open(peak_file))["flops"] if os.path.exists(peak_file) else matmul_peak(preset["dtype"], preset["threads"])
+    if os.path.exists(peak_file):
+        with open(peak_file) as f:
+            peak = json.load(f)["flops"]
+    else:
+        peak = matmul_peak(preset["dtype"], preset["threads"])
     table = report(args, peak)
+    machine = torch.cuda.get_device_name() if torch.cuda.is_available() else f"{os.cpu_count()}-core CPU"
     with open(os.path.join(args.out, "table.md"), "w") as f:
-        f.write(f"{time.strftime('%Y-%m-%d')}, {torch.cuda.get_device_name() if torch.cuda.is_available() else f'{os.cpu_count()}-core CPU'}\n\n" + table)
+        f.write(f"{time.strftime('%Y-%m-%d')}, {machine}\n\n" + table)
     print(table)
 
 

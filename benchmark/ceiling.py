@@ -61,7 +61,8 @@ def main(args: Args) -> None:
              "| pass | shape | seconds | GFLOP/s | % of peak |", "|---|---|---|---|---|"]
 
     def row(name: str, shape: str, seconds: float, flops: float) -> None:
-        lines.append(f"| {name} | {shape} | {seconds:.3f} | {flops / seconds / 1e9:.1f} | {flops / seconds / peak:.0%} |")
+        rate = flops / seconds
+        lines.append(f"| {name} | {shape} | {seconds:.3f} | {rate / 1e9:.1f} | {rate / peak:.0%} |")
 
     def train_pass(ids):
         model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
@@ -82,7 +83,8 @@ def main(args: Args) -> None:
         with torch.no_grad():
             model(input_ids=torch.randint(vocab, (b, 50)), use_cache=True, **cache_kwarg(model, cache))
         seconds = best_seconds(partial(decode_step, cache, token, position), 3 * args.repeats)
-        row("decoding step", f"{b} row{'s' if b > 1 else ''}, 50 cached", seconds, b * forward_flops(n, layers, width, 50))
+        shape = f"{b} row{'s' if b > 1 else ''}, 50 cached"
+        row("decoding step", shape, seconds, b * forward_flops(n, layers, width, 50))
     print("\n".join(lines))
 
 

@@ -34,7 +34,8 @@ def fixed_sample(model, tokenizer, prompt_ids, repeat, gen_config, eos_ids):
     attention_mask = torch.cat([torch.tensor(prompt_masks), completion_mask], 1)
     truncated = completion_mask.sum(1) == T
     device = next(model.parameters()).device
-    return torch.tensor(rows, device=device), attention_mask.to(device), completion_mask.to(device), truncated.to(device)
+    return (torch.tensor(rows, device=device), attention_mask.to(device), completion_mask.to(device),
+            truncated.to(device))
 
 
 def fixed_score(completions, answers, task, weights):

@@ -1,54 +1,104 @@
-"""The comparison command: its floating-point accounting on hand-computed numbers, and one short run of two scripts
-on the tiny model that writes the table and the figure."""
+"""The comparison command: its floating-point accounting on hand-computed numbers, its tables and figure from a run
+folder written by hand, and (slow) one short run of two scripts on the tiny model and the ceiling command."""
 
+import dataclasses
+import json
 import os
 import subprocess
 import sys
+import time
 
+import pytest
 from conftest import ROOT
+from torch.utils.tensorboard import SummaryWriter
+
+import grpo
 
 sys.path.insert(0, os.path.join(ROOT, "benchmark"))
 import benchmark  # noqa: E402
 
 
+def rows_by_width(text: str, scripts: tuple[str, ...]) -> dict[int, list[list[str]]]:
+    """The table rows of `scripts` in markdown `text`, as stripped cells, by their number of cells: 4 the quality of a
+    run, 6 the quality of a script over its seeds, 10 the speed of a run."""
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in text.splitlines()
+            if line.startswith(tuple(f"| {s} |" for s in scripts))]
+    return {width: [r for r in rows if len(r) == width] for width in (4, 6, 10)}
+
+
 def test_step_work_counts_each_prompt_once_and_three_passes_for_training():
-    """2 prompts x 4 completions of mean length 5; 60 sampled tokens = 2 prompts of 10 + 8 x 5. Forward FLOPs per token:
-    2 N + 4 x layers x width x (10 + 5 / 2) = 200 + 4 x 2 x 8 x 12.5 = 1000."""
-    run = {"args": {"num_prompts": "2", "group_size": "4"},
+    """2 prompts x 4 completions of mean length 5; 60 sampled tokens = 2 prompts of 10 + 8 x 5. Forward FLOPs per
+    token: 2 N + 4 x layers x width x (10 + 5 / 2) = 200 + 4 x 2 x 8 x 12.5 = 1000."""
+    run = {"args": {"num_prompts": 2, "group_size": 4},
            "scalars": {"charts/completion_length_mean": [(1, 5.0, 0.0)], "charts/tokens_sampled": [(1, 60.0, 0.0)],
                        "charts/tokens_forward": [(1, 120.0, 0.0)], "charts/tokens_trained": [(1, 60.0, 0.0)]}}
     work = benchmark.step_work(run, n=100, layers=2, width=8)
     assert work == {"sampled": 60 * 1000, "forward": 120 * 1000, "trained": 3 * 60 * 1000}
 
 
-def test_the_benchmark_runs_scripts_and_writes_a_table_and_a_figure(tiny_model, copy_task, tmp_path):
+def test_the_report_reads_the_arguments_a_run_wrote_and_splits_quality_from_speed(tiny_model, tmp_path):
+    """A run folder as grpo.py leaves it (runs/{run_name}/args.json beside the TensorBoard events; no markdown table of
+    the arguments), 2 steps of 2 prompts x 4 completions of 5 tokens on the tiny model. N = 83,584 parameters multiply
+    (2 layers of 4 x 64 x 64 + 3 x 64 x 128, the norms and the 21 x 64 LM head), so with prompts of 10 tokens a token
+    costs 2 N + 4 x 2 x 64 x (10 + 5 / 2) = 173,568 FLOPs forward: 60 sampled, 120 forward and 3 x 60 trained tokens a
+    step are 0.0104, 0.0208 and 0.0312 GFLOP. At 15 s a step and 5 s of training, that is half and three quarters of a
+    peak of 8,331,264 FLOP/s."""
+    folder = tmp_path / "grpo_s1" / "runs" / "arithmetic__grpo__1__0"
+    folder.mkdir(parents=True)
+    args = grpo.Args(model=tiny_model, num_prompts=2, group_size=4)
+    (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args)))
+    writer, start = SummaryWriter(str(folder)), time.time()
+    scalars = {"charts/step_seconds": [10, 20], "charts/time_sample": [4, 6], "charts/time_score": [0, 0],
+               "charts/time_logprobs": [2, 2], "charts/time_train": [5, 5],
+               "charts/sample_tokens_per_second": [90, 110], "charts/train_tokens_per_second": [50, 50],
+               "charts/peak_memory_gb": [1.0, 1.5],
+               "charts/completion_length_mean": [5, 5], "charts/tokens_sampled": [60, 60],
+               "charts/tokens_forward": [120, 120], "charts/tokens_trained": [60, 60], "charts/reward_mean": [0.5, 1.0]}
+    for tag, values in scalars.items():
+        for step, value in enumerate(values, 1):
+            writer.add_scalar(tag, value, step, walltime=start + 60 * step)  # the last, step 2, 2 min after the start
+    for step, accuracy in [(0, 0.25), (2, 0.75)]:
+        writer.add_scalar("charts/eval_accuracy", accuracy, step, walltime=start + 60 * step)
+    writer.close()
+
+    text = benchmark.report(benchmark.Args(out=str(tmp_path)), peak=8_331_264)
+    rows = rows_by_width(text, ("grpo",))
+    assert text.index("## Quality") < text.index("| script | seed | steps |") < text.index("## Speed")
+    assert rows[4] == [["grpo", "1", "2", "0.250 -> 0.750"]]
+    assert rows[6] == [["grpo", "1", "0.250", "0.750 (0.750-0.750)", "+0.500 (+0.500 to +0.500)", "1 of 1"]]
+    assert rows[10] == [["grpo", "1", "2.0", "15.0", "5.0 / 0.0 / 2.0 / 5.0", "100", "50", "1.5",
+                         "0.0104 / 0.0208 / 0.0312", "50%, 75%"]]
+    assert (tmp_path / "figure.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_the_benchmark_runs_scripts_and_writes_its_tables_and_a_figure(tiny_model, copy_task, tmp_path):
     extra = (f"--model {tiny_model} --task {copy_task} --steps 2 --eval-every 1 --eval-prompts 8 --num-prompts 4 "
              "--group-size 4 --max-new-tokens 4")
-    out = tmp_path / "bench"
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmark", "benchmark.py"), "--scripts", "grpo", "ppo",
-                             "--out", str(out), f"--extra={extra}"], capture_output=True, text=True, timeout=600)
+    command = [sys.executable, os.path.join(ROOT, "benchmark", "benchmark.py"), "--out", str(tmp_path / "bench")]
+    result = subprocess.run([*command, "--scripts", "grpo", "ppo", f"--extra={extra}"], capture_output=True, text=True,
+                            timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    lines = (out / "table.md").read_text().splitlines()
-    rows = [line.split("|")[1:-1] for line in lines if line.startswith(("| grpo", "| ppo"))]
-    rows, summary = [r for r in rows if len(r) == 12], [r for r in rows if len(r) == 6]  # per run; per script
-    assert [row[0].strip() for row in rows] == ["grpo", "ppo"] and [row[0].strip() for row in summary] == ["grpo", "ppo"]
-    for row in rows:
-        assert row[3].strip() == "2"  # steps
-        gflops = [float(x) for x in row[10].split("/")]  # sample / forward / train
+    rows = rows_by_width((tmp_path / "bench" / "table.md").read_text(), ("grpo", "ppo"))
+    assert [[row[0] for row in rows[width]] for width in (4, 6, 10)] == [["grpo", "ppo"]] * 3
+    for quality, speed in zip(rows[4], rows[10]):
+        assert quality[2] == "2"  # steps
+        gflops = [float(x) for x in speed[8].split("/")]  # sample / forward / train
         assert all(x >= 0 for x in gflops) and gflops[2] > 0
-        assert row[11].strip().endswith("%")
-    assert (out / "figure.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    report = subprocess.run([sys.executable, os.path.join(ROOT, "benchmark", "benchmark.py"), "--out", str(out),
-                             "--report-only"], capture_output=True, text=True, timeout=600)
+        assert speed[9].endswith("%")
+    assert (tmp_path / "bench" / "figure.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = subprocess.run([*command, "--report-only"], capture_output=True, text=True, timeout=600)
     assert report.returncode == 0 and "| grpo | 1 |" in report.stdout  # redrawn from the runs, nothing rerun
 
 
+@pytest.mark.slow
 def test_the_ceiling_command_times_a_training_pass_and_a_decoding_step_of_the_model(tiny_model):
     result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmark", "ceiling.py"), "--model", tiny_model,
                              "--tokens", "8", "16", "--rows", "2", "--repeats", "1"], capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith(("| forward", "| decoding"))]
+    rows = [line.split("|")[1:-1] for line in result.stdout.splitlines()
+            if line.startswith(("| forward", "| decoding"))]
     assert [(r[0].strip(), r[1].strip()) for r in rows] == [
         ("forward + backward", "1 row x 8 tokens"), ("forward + backward", "1 row x 16 tokens"),
         ("decoding step", "2 rows, 50 cached")]

@@ -17,7 +17,8 @@ def loss_of(logprobs, old, advantages, mask, **overrides):
 
 
 def test_every_token_of_200_and_10_token_completions_weighs_1_over_210():
-    """The seed's example: GRPO gives the 10-token completion's tokens 20 times the weight; DAPO weighs all 210 alike."""
+    """The seed's example: GRPO gives the 10-token completion's tokens 20 times the weight; DAPO weighs all 210
+    alike."""
     mask = torch.zeros(2, 200)
     mask[0, :200], mask[1, :10] = 1, 1
     logprobs = torch.full((2, 200), -1.0, requires_grad=True)

@@ -9,36 +9,45 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, read_run
+from conftest import MODULES, OWN_ARGS, ROOT, read_run
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-SCRIPTS = ["grpo", "gspo", "dapo", "ppo"]
+import grpo
+import ppo
+
+pytestmark = pytest.mark.slow  # every test starts two processes under torchrun, most of them twice
 # completions per process: 2 prompts x 4 (PPO: 4 x 1); 3 per micro-batch, so the micro-batches are ragged
-BATCH = {"grpo": ["--num-prompts", "4", "--group-size", "4"], "gspo": ["--num-prompts", "4", "--group-size", "4"],
-         "dapo": ["--num-prompts", "4", "--group-size", "4", "--overlong-buffer", "0"],
-         "ppo": ["--num-prompts", "8", "--group-size", "1"]}
+GROUPS = {"ppo": ["--num-prompts", "8", "--group-size", "1"]}
 TOLERANCE = 1e-6  # largest difference measured in a weight: 3.7e-9 to 7.5e-9 (float32 sums in another order)
+
+
+def batch(module) -> list[str]:
+    """The prompts and groups of a step, and the script's own arguments."""
+    name = module.__name__
+    return [*GROUPS.get(name, ["--num-prompts", "4", "--group-size", "4"]), *OWN_ARGS.get(name, [])]
 
 
 def launch(argv: list[str], cwd, processes: int) -> subprocess.CompletedProcess:
     """`python argv...` alone, or under `torchrun --nproc_per_node processes`, one thread per process."""
-    launcher = [sys.executable] + (["-m", "torch.distributed.run", "--nproc_per_node", str(processes)] if processes > 1 else [])
+    torchrun = ["-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
+    launcher = [sys.executable] + (torchrun if processes > 1 else [])
     result = subprocess.run(launcher + argv, cwd=cwd, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_two_processes_take_the_same_update_as_one(script, tiny_model, copy_task, tmp_path):
+@pytest.mark.parametrize("module", MODULES)
+def test_two_processes_take_the_same_update_as_one(module, tiny_model, copy_task, tmp_path):
     """Fixed completions and rewards (tests/fixed_rollouts.py), SGD at lr 0.1, two steps of one update each, KL on
     (beta 0.1, DAPO 0) so the reference model is sharded too: the weights after two steps, and the logged rewards,
     equal one process's. This covers GRPO's and GSPO's sample means, DAPO's token normaliser over both ranks' tokens
     and its filter, and PPO's critic, GAE and advantage whitening over both ranks' tokens."""
-    argv = [os.path.join(ROOT, "tests", "fixed_rollouts.py"), script, "--model", tiny_model, "--task", copy_task,
-            "--steps", "2", "--eval-every", "0", "--output-dir", "ckpt", "--learning-rate", "0.1", "--num-minibatches",
-            "1", "--micro-batch-size", "3", "--beta", "0" if script == "dapo" else "0.1", *BATCH[script]]
+    argv = [os.path.join(ROOT, "tests", "fixed_rollouts.py"), module.__name__, "--model", tiny_model, "--task",
+            copy_task, "--steps", "2", "--eval-every", "0", "--output-dir", "ckpt", "--learning-rate", "0.1",
+            "--num-minibatches", "1", "--micro-batch-size", "3", "--beta", "0" if module.__name__ == "dapo" else "0.1",
+            *batch(module)]
     weights, rewards = [], []
     for processes in (1, 2):
         (tmp_path / str(processes)).mkdir()
@@ -52,12 +61,12 @@ def test_two_processes_take_the_same_update_as_one(script, tiny_model, copy_task
     assert rewards[0] == rewards[1]
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_a_two_process_run_logs_once_and_saves_one_checkpoint_that_loads_on_one_process(script, tiny_model, copy_task,
+@pytest.mark.parametrize("module", MODULES)
+def test_a_two_process_run_logs_once_and_saves_one_checkpoint_that_loads_on_one_process(module, tiny_model, copy_task,
                                                                                        tmp_path):
-    result = launch([os.path.join(ROOT, f"{script}.py"), "--model", tiny_model, "--task", copy_task, "--steps", "2",
-                     "--eval-every", "1", "--eval-prompts", "8", "--max-new-tokens", "4", "--output-dir", "ckpt",
-                     *BATCH[script]], tmp_path, 2)
+    argv = [module.__file__, "--model", tiny_model, "--task", copy_task, "--steps", "2", "--eval-every", "1",
+            "--eval-prompts", "8", "--max-new-tokens", "4", "--output-dir", "ckpt", *batch(module)]
+    result = launch(argv, tmp_path, 2)
     assert result.stdout.count("held-out greedy accuracy:") == 1 and result.stdout.count("step 0: held-out") == 1
     scalars, _ = read_run(str(tmp_path))  # exactly one TensorBoard run
     assert [s for s, _ in scalars["charts/reward_mean"]] == [1, 2]
@@ -70,13 +79,13 @@ def test_a_two_process_run_logs_once_and_saves_one_checkpoint_that_loads_on_one_
     assert len(state["rng"]) == 2 and state["step"] == 2  # each rank's RNG state, to resume with as many
 
 
-@pytest.mark.parametrize("script", ["grpo", "ppo"])
-def test_a_two_process_run_resumes_to_the_same_weights(script, tiny_model, copy_task, tmp_path):
+@pytest.mark.parametrize("module", [grpo, ppo])
+def test_a_two_process_run_resumes_to_the_same_weights(module, tiny_model, copy_task, tmp_path):
     """Three steps under torchrun, against the same run resumed after step 1 (each process's RNG state restored,
     the optimizer state re-sharded from the full copy, PPO's critic too): bit-identical weights after step 3."""
-    argv = [os.path.join(ROOT, f"{script}.py"), "--model", tiny_model, "--task", copy_task, "--steps", "3",
-            "--save-every", "1", "--keep-checkpoints", "0", "--eval-every", "0", "--max-new-tokens", "4",
-            "--learning-rate", "1e-3", "--output-dir", "ckpt", *BATCH[script]]
+    argv = [module.__file__, "--model", tiny_model, "--task", copy_task, "--steps", "3", "--save-every", "1",
+            "--keep-checkpoints", "0", "--eval-every", "0", "--max-new-tokens", "4", "--learning-rate", "1e-3",
+            "--output-dir", "ckpt", *batch(module)]
     (tmp_path / "whole").mkdir()
     launch(argv, tmp_path / "whole", 2)
     (run_dir,) = glob.glob(str(tmp_path / "whole" / "ckpt" / "*"))

@@ -31,7 +31,8 @@ def test_gae_matches_a_plain_loop_on_ragged_masks(gamma, lam):
     for i, n in enumerate(lengths):
         expected = gae_reference(rewards[i, :n].tolist(), values[i, :n].tolist(), gamma, lam)
         assert advantages[i, :n].tolist() == pytest.approx(expected, abs=1e-5)
-        assert returns[i, :n].tolist() == pytest.approx([a + v for a, v in zip(expected, values[i, :n].tolist())], abs=1e-5)
+        expected_returns = [a + v for a, v in zip(expected, values[i, :n].tolist())]
+        assert returns[i, :n].tolist() == pytest.approx(expected_returns, abs=1e-5)
         assert (advantages[i, n:] == 0).all() and (returns[i, n:] == 0).all()
 
 
@@ -117,7 +118,8 @@ def test_critic_starts_at_zero_and_ignores_left_padding(tiny_model):
     assert torch.allclose(values[1], unpadded[0], atol=1e-5)
     # position t of the output is the state before completion token t: the hidden state of the token before it, also
     # for a row that shares its prompt (computed once) with another
-    shared = critic(torch.cat([ids, torch.tensor([[5, 6, 7, 8, 14, 15]])]), torch.cat([attention, torch.ones(1, 6).long()]), 2)
+    shared = critic(torch.cat([ids, torch.tensor([[5, 6, 7, 8, 14, 15]])]),
+                    torch.cat([attention, torch.ones(1, 6).long()]), 2)
     for i, row in [(0, [5, 6, 7, 8, 9, 10]), (2, [5, 6, 7, 8, 14, 15])]:
         hidden = policy.base_model(input_ids=torch.tensor([row])).last_hidden_state
         assert torch.allclose(shared[i], critic.head(hidden[0, -3:-1]).squeeze(-1), atol=1e-5)

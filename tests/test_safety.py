@@ -3,7 +3,6 @@ and rotated, SIGINT and SIGTERM stop cleanly, non-finite updates are skipped, a 
 one completion its score, and a cut prompt is reported."""
 
 import glob
-import importlib
 import os
 import re
 import shlex
@@ -16,29 +15,31 @@ import pytest
 import rewards
 import torch
 import tyro
-from conftest import ROOT, ScriptedRewards, read_run
+from conftest import MODULES, OWN_ARGS, ScriptedRewards, read_run
 from safetensors.torch import load_file
 
-MODULES = [importlib.import_module(name) for name in ("grpo", "gspo", "dapo", "ppo")]
+import grpo
+
 CONTRAST = [[1, 0, 0, 1, 0, 1, 1, 0]]  # scripted correctness: both groups of 4 have contrast (DAPO keeps them)
 
 
 def small_run(module, tiny_model, copy_task, *argv) -> list[str]:
     """Arguments of a short run of `module` on the toy task: 2 prompts x 4 completions of at most 4 tokens."""
-    own = ["--overlong-buffer", "0"] if module.__name__ == "dapo" else []
     return ["--model", tiny_model, "--task", copy_task, "--num-prompts", "2", "--group-size", "4", "--max-new-tokens",
-            "4", "--eval-prompts", "4", "--output-dir", "ckpt", *own, *argv]
+            "4", "--eval-prompts", "4", "--output-dir", "ckpt", *OWN_ARGS.get(module.__name__, []), *argv]
 
 
 def train(module, cwd, argv, monkeypatch) -> None:
-    """module.main in `cwd`, with scripted rewards (the same every step, so a resumed run sees what a whole one does)."""
+    """module.main in `cwd`, with scripted rewards (the same every step, so a resumed run sees what a whole one
+    does)."""
     monkeypatch.setattr(module, "score", ScriptedRewards(CONTRAST))
     monkeypatch.chdir(cwd)
     module.main(tyro.cli(module.Args, args=argv))
 
 
-@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
-def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(module, tiny_model, copy_task, tmp_path, monkeypatch):
+@pytest.mark.parametrize("module", MODULES)
+def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(module, tiny_model, copy_task, tmp_path,
+                                                                      monkeypatch):
     """4 steps in one go, against 2 steps resumed from the step-2 checkpoint: weights, optimizer state (and PPO's
     critic) bit-identical on CPU, and TensorBoard holds each step once, with the same values."""
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
@@ -98,15 +99,15 @@ def stop(process: subprocess.Popen, signum: int) -> tuple[str, int]:
     return output, int(re.search(r"stopped after step (\d+)", output).group(1))
 
 
-@pytest.mark.parametrize("script, signum", [(f"{m.__name__}.py", signal.SIGTERM) for m in MODULES]
-                         + [("grpo.py", signal.SIGINT)])
-def test_a_signal_stops_after_the_step_saves_and_exits_0_and_the_run_resumes(script, signum, tiny_model, copy_task,
+@pytest.mark.slow  # two processes per test, each run for seconds
+@pytest.mark.parametrize("module, signum", [(m, signal.SIGTERM) for m in MODULES] + [(grpo, signal.SIGINT)],
+                         ids=lambda value: getattr(value, "name", None))  # test_...[grpo-SIGINT]
+def test_a_signal_stops_after_the_step_saves_and_exits_0_and_the_run_resumes(module, signum, tiny_model, copy_task,
                                                                               tmp_path):
     """SIGTERM (a scheduler's pre-emption) or SIGINT (Ctrl-C): the step finishes, a checkpoint is saved, the command
     that resumes it is printed, exit code 0. That command continues the run, which a second signal stops again."""
-    module = importlib.import_module(script[: -len(".py")])
     argv = small_run(module, tiny_model, copy_task, "--steps", "10000", "--eval-every", "0", "--save-every", "0")
-    output, first = stop(start([os.path.join(ROOT, script), *argv], tmp_path, "TensorBoard"), signum)
+    output, first = stop(start([module.__file__, *argv], tmp_path, "TensorBoard"), signum)
     (checkpoint,) = glob.glob(str(tmp_path / "ckpt" / "*" / "*"))  # nothing else: no temporary folder left
     assert checkpoint.endswith(f"step_{first}") and os.path.isfile(os.path.join(checkpoint, "training_state.pt"))
     command = shlex.split(re.search(r"resume with: (.*)", output).group(1))
@@ -117,7 +118,7 @@ def test_a_signal_stops_after_the_step_saves_and_exits_0_and_the_run_resumes(scr
     assert steps == list(range(1, second + 1))  # one TensorBoard run, each step once
 
 
-@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", MODULES)
 def test_non_finite_updates_are_skipped_counted_and_stop_the_run_when_they_persist(module, tiny_model, copy_task,
                                                                                   tmp_path, monkeypatch):
     compute_policy_loss = module.compute_policy_loss
@@ -134,7 +135,8 @@ def test_non_finite_updates_are_skipped_counted_and_stop_the_run_when_they_persi
     updates_per_step = module.Args().num_minibatches * module.Args().num_iterations
     assert skipped == [(1, updates_per_step), (2, 2 * updates_per_step)]
     (last,) = glob.glob(str(tmp_path / "skipped" / "ckpt" / "*" / "step_2"))
-    trained, initial = load_file(os.path.join(last, "model.safetensors")), load_file(os.path.join(tiny_model, "model.safetensors"))
+    trained = load_file(os.path.join(last, "model.safetensors"))
+    initial = load_file(os.path.join(tiny_model, "model.safetensors"))
     assert all(torch.equal(trained[k], initial[k]) for k in initial)  # no NaN reached the weights
 
     (tmp_path / "stopped").mkdir()
@@ -147,7 +149,7 @@ def test_non_finite_updates_are_skipped_counted_and_stop_the_run_when_they_persi
     assert saved == list(range(1, failed_step))  # the step that failed saved nothing; the earlier ones stay
 
 
-@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", MODULES)
 def test_a_reward_function_that_raises_scores_0_only_where_it_fails(module):
     def fragile(completions, answers):
         if any("boom" in c for c in completions):
@@ -155,13 +157,14 @@ def test_a_reward_function_that_raises_scores_0_only_where_it_fails(module):
         return [1.0] * len(completions)
 
     task = rewards.Task(train=[], test=[], correctness=fragile)
-    total, parts = module.score(["ok", "boom", "\\boxed{3}"], ["1", "1", "3"], task, {"correctness": 1.0, "format": 0.5})
+    weights = {"correctness": 1.0, "format": 0.5}
+    total, parts = module.score(["ok", "boom", "\\boxed{3}"], ["1", "1", "3"], task, weights)
     assert parts["correctness"].tolist() == [1.0, 0.0, 1.0]
     assert parts["errors"].tolist() == [0.0, 1.0, 0.0]
     assert total.tolist() == [1.0, 0.0, 1.5]
 
 
-@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", MODULES)
 def test_prompts_longer_than_max_prompt_tokens_are_reported(module, tiny_model, tmp_path, monkeypatch, capsys):
     """10 prompts of one digit and 5 of nine digits; at most 6 tokens per prompt cuts exactly the 5 long ones."""
     data = tmp_path / "long.jsonl"
@@ -171,7 +174,7 @@ def test_prompts_longer_than_max_prompt_tokens_are_reported(module, tiny_model, 
     assert "warning: 5 of 15 prompts are longer than --max-prompt-tokens 6" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", MODULES)
 def test_a_crash_while_saving_leaves_no_checkpoint_that_looks_complete(module, tiny_model, tmp_path, monkeypatch):
     """`save` writes into .tmp-step_N and renames it into place last: a crash while writing the training state leaves
     the earlier checkpoint the newest complete one, and --resume .../latest finds it, not the half-written one."""

@@ -1,19 +1,89 @@
-"""The code the four scripts share, tested in each: sampling exactly as Args say, float32 weights under bf16
-compute, no dropout, and one `compute_policy_loss` signature."""
+"""The code the four scripts share, tested in each: the sampler's masks and its draws, log-probs against a full
+log_softmax, gradient checkpointing, sampling exactly as Args say, float32 weights under bf16 compute, no dropout,
+micro-batches of whole groups, and one `compute_policy_loss` signature."""
 
 import glob
-import importlib
 import inspect
 import os
 
 import pytest
 import torch
 import tyro
-from conftest import ScriptedRewards
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+from conftest import MODULES, OWN_ARGS, ScriptedRewards
+from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GPT2Config, GPT2LMHeadModel,
+                          LlamaConfig, LlamaForCausalLM)
 
-MODULES = [importlib.import_module(name) for name in ("grpo", "gspo", "dapo", "ppo")]
 CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tiny_model):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    return model, AutoTokenizer.from_pretrained(tiny_model, padding_side="left")
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_token_logprobs_match_log_softmax_and_ignore_left_padding(module, model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    rows = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]  # a 3-token prompt + 3 completion tokens; the second is padded
+    ids = torch.tensor([rows[0], [0, 0, 0] + rows[1]])
+    attention = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]])
+    logprobs, entropy = module.token_logprobs(model, ids, attention, 2, temperature=0.7)
+    for i, row in enumerate(rows):
+        logits = model(torch.tensor([row])).logits[0, -3:-1] / 0.7  # unpadded, no position trick needed
+        full = torch.log_softmax(logits, -1)
+        assert torch.allclose(logprobs[i], full[[0, 1], row[-2:]], atol=1e-5)
+        assert torch.allclose(entropy[i], -(full.exp() * full).sum(-1), atol=1e-5)
+
+
+class FixedGenerator(torch.nn.Module):
+    """Stands in for a model: `generate` returns fixed completions, to test the masks exactly."""
+
+    def __init__(self, completions):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.completions = torch.tensor(completions)
+
+    def forward(self, input_ids, attention_mask, position_ids, use_cache, cache, logits_to_keep):  # the prompt pass
+        self.prompt_rows = len(input_ids)
+
+    def generate(self, input_ids, attention_mask, generation_config, synced_gpus, cache):
+        assert synced_gpus is False  # ranks decode on their own (the weights are gathered first)
+        return torch.cat([input_ids, self.completions], 1)
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_sample_masks_up_to_first_eos_and_marks_truncation(module, model_and_tokenizer):
+    _, tokenizer = model_and_tokenizer
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    completions = [[5, eos, pad, pad], [5, 6, 7, 8], [eos, 5, eos, pad], [5, 6, 7, eos]]
+    generator = FixedGenerator(completions)
+    out, attention, mask, truncated = module.sample(generator, tokenizer, [[9], [9, 9]], 2, GenerationConfig(), [eos])
+    assert generator.prompt_rows == 2  # each prompt computed once, then repeated for its 2 completions
+    assert out.shape == (4, 6) and out[:, :2].tolist() == [[pad, 9], [pad, 9], [9, 9], [9, 9]]  # repeat_interleave
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1]]
+    assert truncated.tolist() == [False, True, False, False]
+    assert attention[:, :2].tolist() == [[0, 1], [0, 1], [1, 1], [1, 1]]
+    assert module.decode(tokenizer, out[:, 2:], mask) == ["1", "1234", "", "123"]  # ids 4.. are "0123..."
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_gradient_checkpointing_recomputes_the_forward_in_the_backward_pass(module, tiny_model):
+    """HF checkpoints activations only in train mode: load_model must leave the model in it, or --gradient-checkpointing
+    would silently save nothing. A checkpointed layer runs its modules again in the backward."""
+    ids, attention = torch.tensor([[5, 6, 7, 8]]), torch.ones(1, 4, dtype=torch.long)
+    recomputed = []
+    for checkpointing in (False, True):
+        _, model = module.load_model(tiny_model, CPU)
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        calls = []  # the attention's pre-hook runs again when the layer is recomputed
+        model.model.layers[0].self_attn.register_forward_pre_hook(lambda m, inputs, calls=calls: calls.append(1))
+        logprobs, _ = module.token_logprobs(model, ids, attention, 2, 1.0)
+        forwards = len(calls)
+        logprobs.sum().backward()
+        recomputed.append(len(calls) - forwards)
+    assert recomputed == [0, 1]
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +99,7 @@ def model_with_generation_config(tiny_model, tmp_path_factory) -> str:
     return path
 
 
-@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", MODULES)
 def test_greedy_sampling_ignores_the_checkpoints_generation_config(module, model_with_generation_config):
     """Greedy `sample()` must give the argmax of the model's own distribution at every position: no repetition
     penalty, no n-gram ban, no do_sample or length limit merged in from the saved generation_config.json."""
@@ -52,10 +122,11 @@ def test_greedy_sampling_ignores_the_checkpoints_generation_config(module, model
     assert torch.equal(out[0], out[1])  # greedy: the two copies of a prompt agree
 
 
-@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", MODULES)
 def test_each_prompt_runs_once_in_sampling_and_the_draws_are_those_of_plain_generate(module, tiny_model):
-    """`sample` runs each prompt once and copies its keys and values to its `repeat` rows before decoding: with the same
-    seed it must draw the tokens of one plain `generate` over the repeated, left-padded prompts, from the same logits."""
+    """`sample` runs each prompt once and copies its keys and values to its `repeat` rows before decoding: with the
+    same seed it must draw the tokens of one plain `generate` over the repeated, left-padded prompts, from the same
+    logits."""
     tokenizer, model = module.load_model(tiny_model, CPU)
     eos_ids = module.eos_token_ids(tokenizer, model)
     config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, max_new_tokens=10,
@@ -81,7 +152,7 @@ def test_each_prompt_runs_once_in_sampling_and_the_draws_are_those_of_plain_gene
     assert torch.allclose(logits[0], logits[1], atol=1e-5)
 
 
-@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", MODULES)
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["shared_prompt", "gradient_checkpointing"])
 def test_each_prompt_computed_once_gives_the_log_probs_and_gradients_of_whole_rows(module, checkpointing, tiny_model):
     """Two groups of 3 (prompts of 4 and 2 tokens, left-padded; completions of 1 to 5 tokens, right-padded): log-probs
@@ -98,7 +169,8 @@ def test_each_prompt_computed_once_gives_the_log_probs_and_gradients_of_whole_ro
     weights = torch.arange(1.0, 7.0)[:, None] * mask  # a different weight per row, so a mixed-up row would show
 
     def plain():
-        logits = model(input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(-1) - 1).clamp(min=0)).logits
+        position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=attention, position_ids=position_ids).logits
         return torch.log_softmax(logits[:, -6:-1] / 0.7, -1).gather(-1, ids[:, -5:, None]).squeeze(-1)  # (6, 5)
 
     results = []
@@ -116,7 +188,7 @@ def test_each_prompt_computed_once_gives_the_log_probs_and_gradients_of_whole_ro
                               expected[rows], atol=1e-5)
 
 
-@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", MODULES)
 def test_micro_batches_keep_groups_whole_and_lengths_together(module):
     lengths = torch.tensor([3, 9, 1, 1, 2, 2, 8, 1])  # groups of 2: longest 9, 1, 2, 8
     mask = (torch.arange(10)[None] < lengths[:, None]).long()  # (8, 10)
@@ -124,13 +196,21 @@ def test_micro_batches_keep_groups_whole_and_lengths_together(module):
     assert [b.tolist() for b in batches] == [[2, 3, 4, 5], [6, 7, 0, 1]]  # by the group's longest, then by index
 
 
-@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
-def test_config_dropout_is_off_so_log_probs_repeat(module, tiny_model, tmp_path):
-    """Llama's attention reads config.attention_dropout itself in train mode (no nn.Dropout module to switch off)."""
-    config = LlamaConfig(vocab_size=21, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, max_position_embeddings=64, attention_dropout=0.5)
+DROPOUT = {  # GPT-2 has nn.Dropout modules; Llama's attention reads config.attention_dropout itself in train mode
+    "gpt2": (GPT2LMHeadModel, GPT2Config(vocab_size=21, n_embd=32, n_layer=1, n_head=2, n_positions=64,
+                                         resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5)),
+    "llama": (LlamaForCausalLM, LlamaConfig(vocab_size=21, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                            num_attention_heads=2, max_position_embeddings=64, attention_dropout=0.5)),
+}
+
+
+@pytest.mark.parametrize("module", MODULES)
+@pytest.mark.parametrize("architecture", DROPOUT)
+def test_dropout_is_off_so_log_probs_repeat(module, architecture, tiny_model, tmp_path):
+    """A model with dropout at p = 0.5, in train mode: the same tokens must get the same log-probs."""
+    model_class, config = DROPOUT[architecture]
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    model_class(config).save_pretrained(tmp_path)
     AutoTokenizer.from_pretrained(tiny_model).save_pretrained(tmp_path)
     _, model = module.load_model(str(tmp_path), CPU)
     assert model.training
@@ -140,7 +220,7 @@ def test_config_dropout_is_off_so_log_probs_repeat(module, tiny_model, tmp_path)
     assert torch.equal(first, second)
 
 
-@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", MODULES)
 def test_bfloat16_compute_trains_float32_weights_that_move(module, tiny_model, copy_task, tmp_path, monkeypatch):
     """--dtype bfloat16: one AdamW step at lr 1e-5 must change most weights. In bf16 weights such a step is below the
     resolution of nearly every entry (|w| > ~3e-3), so bf16 weights would not move at all."""
@@ -149,7 +229,7 @@ def test_bfloat16_compute_trains_float32_weights_that_move(module, tiny_model, c
     argv = ["--model", tiny_model, "--task", copy_task, "--dtype", "bfloat16", "--steps", "1", "--learning-rate",
             "1e-5", "--eval-every", "0", "--num-prompts", "2", "--group-size", "4", "--num-minibatches", "1",
             "--max-new-tokens", "4", "--output-dir", "ckpt"]
-    argv += ["--overlong-buffer", "0"] if module.__name__ == "dapo" else []
+    argv += OWN_ARGS.get(module.__name__, [])
     module.main(tyro.cli(module.Args, args=argv))
     (last,) = glob.glob(os.path.join("ckpt", "*", "step_1"))
     trained = AutoModelForCausalLM.from_pretrained(last, dtype="auto").state_dict()
