@@ -197,7 +197,7 @@ def rollouts(model, tokenizer, task: rewards.Task, args: Args, cursor: dict, ran
 
         # 3. score every completion (timed apart from sampling: charts/time_score)
         score_start = time.time()
-        reward, reward_parts = score(completions, answers, task, args.reward_weights)  # (B,)
+        reward, reward_parts = rewards.score(completions, answers, task, args.reward_weights)  # (B,)
         score_seconds = time.time() - score_start
         yield input_ids, attention_mask, completion_mask, truncated, completions, reward, reward_parts, score_seconds
 
@@ -234,20 +234,6 @@ def decode(tokenizer, completion_ids, completion_mask) -> list[str]:
     """Completion texts, cut at their first EOS, without special tokens."""
     lengths = completion_mask.sum(1).tolist()
     return [tokenizer.decode(ids[:n], skip_special_tokens=True) for ids, n in zip(completion_ids.tolist(), lengths)]
-
-
-def score(completions: list[str], answers: list[str], task: rewards.Task, weights: dict[str, float]):
-    """Weighted sum of the reward functions, and each function's scores for logging. A function that raises on a
-    completion scores it 0, counted in parts["errors"] (charts/reward_errors), and the run goes on."""
-    parts = {name: torch.zeros(len(completions)) for name in [*weights, "errors"]}
-    for name in weights:
-        for i, (completion, answer) in enumerate(zip(completions, answers)):
-            try:
-                parts[name][i] = task.reward_funcs[name]([completion], [answer])[0]
-            except Exception as e:
-                parts["errors"][i] += 1
-                print(f"reward {name} raised {e!r} on {completion[:80]!r}: scored 0")
-    return sum(weights[name] * parts[name] for name in weights).float(), parts
 
 
 @torch.no_grad()

@@ -25,6 +25,7 @@ from fractions import Fraction
 from typing import Callable
 
 import sympy
+import torch
 from math_verify import LatexExtractionConfig, parse, verify
 from math_verify.errors import TimeoutException
 
@@ -288,6 +289,21 @@ class Task:
     def reward_funcs(self) -> dict[str, RewardFunc]:
         """The reward functions `--reward-weights` can weight, by name."""
         return {"correctness": self.correctness, "format": format_reward}
+
+
+def score(completions: list[str], answers: list[str], task: Task, weights: dict[str, float]):
+    """The reward of each completion, sum of weight * function over `weights`, and each function's scores (and the
+    errors) for logging, as tensors (B,). A function that raises on a completion scores it 0, counted in
+    parts["errors"] (the scripts log it as charts/reward_errors), and the run goes on."""
+    parts = {name: torch.zeros(len(completions)) for name in [*weights, "errors"]}
+    for name in weights:
+        for i, (completion, answer) in enumerate(zip(completions, answers)):
+            try:
+                parts[name][i] = task.reward_funcs[name]([completion], [answer])[0]
+            except Exception as e:
+                parts["errors"][i] += 1
+                print(f"reward {name} raised {e!r} on {completion[:80]!r}: scored 0")
+    return sum(weights[name] * parts[name] for name in weights).float(), parts
 
 
 BUILTIN_TASKS = ("arithmetic", "countdown")

@@ -102,17 +102,11 @@ def run_all(args: Args, preset: dict) -> None:
 
 def matmul_parameters(model: str) -> tuple[int, int, int]:
     """N (parameters that multiply: the LM head in, the input embedding out), layers and width of `model`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     sys.path.insert(0, ROOT)
-    from grpo import resolve_model  # the default model resolves to its offline GGUF copy, as in the scripts
+    from grpo import load_model  # as the scripts load it: the default model resolves to its offline GGUF copy
 
-    path, kwargs = resolve_model(model), {}
-    if path.endswith(".gguf"):
-        path, kwargs["gguf_file"] = os.path.split(os.path.abspath(path))
-    config = AutoConfig.from_pretrained(path, **kwargs)
-    with torch.device("meta"):
-        net = AutoModelForCausalLM.from_config(config)
+    _, net = load_model(model)
+    config = net.config
     total = sum(p.numel() for p in net.parameters())
     embedding = net.get_input_embeddings().weight
     tied = net.get_output_embeddings().weight is embedding

@@ -24,12 +24,13 @@ from benchmark import ROOT, forward_flops, matmul_parameters, matmul_peak
 from transformers import DynamicCache
 
 sys.path.insert(0, ROOT)
-from grpo import DEFAULT_MODEL, cache_kwarg, load_model  # noqa: E402
+import grpo  # noqa: E402
+from grpo import cache_kwarg, load_model  # noqa: E402
 
 
 @dataclass
 class Args:
-    model: str = DEFAULT_MODEL
+    model: str = grpo.Args.model
     """Hub id, save_pretrained folder or .gguf file"""
     threads: int = 1
     """torch threads (the CPU preset runs each script on one)"""
@@ -55,7 +56,7 @@ def main(args: Args) -> None:
     torch.manual_seed(0)
     peak = matmul_peak(torch.float32, args.threads)
     n, layers, width = matmul_parameters(args.model)
-    _, model = load_model(args.model, torch.device("cpu"))
+    _, model = load_model(args.model)
     vocab = model.config.vocab_size
     lines = [f"Peak {peak / 1e9:.1f} GFLOP/s (a float32 matmul, {args.threads} thread(s)); N = {n / 1e6:.1f}M.", "",
              "| pass | shape | seconds | GFLOP/s | % of peak |", "|---|---|---|---|---|"]

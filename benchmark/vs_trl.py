@@ -22,7 +22,8 @@ import tyro
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import rewards  # noqa: E402
-from grpo import DEFAULT_MODEL, load_model  # noqa: E402
+import grpo  # noqa: E402
+from grpo import load_model  # noqa: E402
 
 COMMON = {"num_prompts": 4, "group_size": 4, "max_new_tokens": 48, "temperature": 0.7, "learning_rate": 2e-5,
           "beta": 0.04, "clip_eps": 0.2, "micro_batch_size": 8}
@@ -34,7 +35,7 @@ class Args:
     """training steps of each run; the first is left out of the median (warm-up)"""
     repeats: int = 1
     """runs of each implementation, alternating (ours, TRL, ours, TRL, ...)"""
-    model: str = DEFAULT_MODEL
+    model: str = grpo.Args.model
     """Hub id, save_pretrained folder or .gguf file; saved once as a folder that both load"""
     out: str = "benchmark/vs_trl"
     """output folder: model/, grpo/ (our run), trl/ and table.md"""
@@ -107,7 +108,7 @@ def trl(args: Args, model_dir: str) -> list[float]:
 def main(args: Args) -> None:
     model_dir = os.path.join(args.out, "model_fixed_length" if args.fixed_length else "model")
     if not os.path.isdir(model_dir):  # a plain save_pretrained folder, which TRL loads (the default is a GGUF file)
-        tokenizer, model = load_model(args.model, "cpu")
+        tokenizer, model = load_model(args.model)
         if args.fixed_length:  # both scripts stop a completion at the tokenizer's and the generation config's EOS
             tokenizer.eos_token = "<repo_name>"
             model.generation_config.eos_token_id = tokenizer.eos_token_id

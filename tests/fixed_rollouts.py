@@ -46,6 +46,6 @@ def fixed_score(completions, answers, task, weights):
 
 if __name__ == "__main__":
     module = importlib.import_module(sys.argv[1])
-    module.sample, module.score = fixed_sample, fixed_score
+    module.sample, module.rewards.score = fixed_sample, fixed_score
     torch.optim.AdamW = lambda params, lr, **options: torch.optim.SGD(params, lr=lr)
     module.main(tyro.cli(module.Args, args=sys.argv[2:] + ["--max-new-tokens", str(MAX_NEW_TOKENS)]))

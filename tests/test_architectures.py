@@ -10,14 +10,16 @@ import tyro
 from conftest import MODULES, OWN_ARGS
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-SIZE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
+SIZE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=64)
 ARCHITECTURES = {
     "llama": dict(num_key_value_heads=2),
     "qwen3_next": dict(num_key_value_heads=2, head_dim=8, layer_types=["linear_attention", "full_attention"],
                        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
                        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                        shared_expert_intermediate_size=16, decoder_sparse_step=1),  # hybrid, and mixture of experts
-    "qwen3_moe": dict(num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+    "qwen3_moe": dict(num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=16),
     "mixtral": dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
     "gemma3_text": dict(num_key_value_heads=2, head_dim=8, sliding_window=4,  # shorter than a prompt and its answer
                         layer_types=["sliding_attention", "full_attention"]),

@@ -89,7 +89,7 @@ def test_token_weighted_micro_batches_give_the_gradient_of_the_whole_batch():
 def run_main(tmp_path, monkeypatch, tiny_model, copy_task, rewards, *argv, formats=None):
     """dapo.main with a scripted reward, 2 prompts x 4 completions; returns its scalars, the advantages it trained
     on and the final weights."""
-    monkeypatch.setattr(dapo, "score", ScriptedRewards(rewards, formats))
+    monkeypatch.setattr(dapo.rewards, "score", ScriptedRewards(rewards, formats))
     trained, compute_policy_loss = [], dapo.compute_policy_loss
 
     def recording_policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args):  # notes the advantages

@@ -18,7 +18,7 @@ import rewards
 @pytest.mark.parametrize("difficulty, sizes", [(1, (331, 110)), (2, (5000, 200)), (3, (5000, 200)), (4, (5000, 200))])
 def test_arithmetic_answers_match_their_questions(difficulty, sizes):
     task = rewards.load_task("arithmetic", difficulty)
-    assert (len(task.train), len(task.test)) == sizes  # difficulty 1 has 21 x 21 = 441 distinct questions, a quarter held out
+    assert (len(task.train), len(task.test)) == sizes  # difficulty 1: 21 x 21 = 441 questions, a quarter held out
     train_prompts = {r["prompt"] for r in task.train}
     assert not train_prompts & {r["prompt"] for r in task.test}  # disjoint splits
     for record in task.train[:500] + task.test:
@@ -180,11 +180,13 @@ def test_format_reward():
     assert rewards.format_reward(texts, ["3"] * 8) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
 
 
-HOSTILE = ["\\boxed{}" * 200_000, "\\boxed{{}" * 100_000, "9" * 1_000_000, "{" * 1_000_000, "\\boxed{" * 200_000, "\\boxed{" + "{" * 1_000_000 + "1",
-           "(" * 1_000_000, "<answer>" * 200_000, "1," * 500_000, "1." * 500_000, "\\boxed{" + "(" * 150 + "1"]
+HOSTILE = ["\\boxed{}" * 200_000, "\\boxed{{}" * 100_000, "9" * 1_000_000, "{" * 1_000_000, "\\boxed{" * 200_000,
+           "\\boxed{" + "{" * 1_000_000 + "1", "(" * 1_000_000, "<answer>" * 200_000, "1," * 500_000, "1." * 500_000,
+           "\\boxed{" + "(" * 150 + "1"]
 
 
-PIECES = ["\\boxed{", "{", "}", "=", "<answer>", "</answer>", "(", ")", "1", "99", "-", ".", "/", ",", "+", "*", " ", "e9"]
+PIECES = ["\\boxed{", "{", "}", "=", "<answer>", "</answer>", "(", ")", "1", "99", "-", ".", "/", ",", "+", "*", " ",
+          "e9"]
 
 
 @settings(max_examples=40, deadline=None)

@@ -21,10 +21,10 @@ TINY = ["--num-prompts", "4", "--group-size", "4", "--max-new-tokens", "4", "--e
         "--reward-weights.format", "0"]
 SHARED_METRICS = [
     "charts/reward_mean", "charts/reward_std", "charts/reward_correctness", "charts/reward_format",
-    "charts/completion_length_mean", "charts/completion_length_max", "charts/truncated_fraction",
+    "charts/completion_length_mean", "charts/truncated_fraction",
     "charts/learning_rate", "charts/eval_accuracy", "charts/step_seconds",
     "charts/sample_tokens_per_second", "charts/train_tokens_per_second", "losses/policy_loss",
-    "losses/clip_fraction", "losses/ratio_mean", "losses/ratio_min", "losses/ratio_max", "losses/entropy",
+    "losses/clip_fraction", "losses/ratio_mean", "losses/entropy",
     "losses/grad_norm", "losses/token_log_ratio_std", "losses/seq_log_ratio_std", "charts/reward_errors",
     "charts/skipped_updates", "charts/time_sample", "charts/time_score", "charts/time_logprobs", "charts/time_train",
     "charts/time_eval", "charts/peak_memory_gb", "charts/tokens_sampled", "charts/tokens_forward",
@@ -32,7 +32,7 @@ SHARED_METRICS = [
 ]
 OWN_METRICS = {
     "grpo": ["charts/zero_std_fraction", "losses/kl"],
-    "gspo": ["charts/zero_std_fraction", "losses/kl", "losses/seq_clip_fraction"],
+    "gspo": ["charts/zero_std_fraction", "losses/kl"],
     "dapo": ["charts/zero_std_fraction", "charts/sampling_rounds", "charts/filtered_fraction", "charts/kept_groups",
              "charts/reward_overlong", "losses/clip_fraction_low", "losses/clip_fraction_high"],
     "ppo": ["losses/kl", "charts/value_mean", "charts/returns_mean", "charts/non_score_reward", "losses/value_loss",

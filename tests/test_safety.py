@@ -2,6 +2,7 @@
 and rotated, SIGINT and SIGTERM stop cleanly, non-finite updates are skipped, a reward function that raises costs
 one completion its score, and a cut prompt is reported."""
 
+import dataclasses
 import glob
 import os
 import re
@@ -32,7 +33,7 @@ def small_run(module, tiny_model, copy_task, *argv) -> list[str]:
 def train(module, cwd, argv, monkeypatch) -> None:
     """module.main in `cwd`, with scripted rewards (the same every step, so a resumed run sees what a whole one
     does)."""
-    monkeypatch.setattr(module, "score", ScriptedRewards(CONTRAST))
+    monkeypatch.setattr(module.rewards, "score", ScriptedRewards(CONTRAST))
     monkeypatch.chdir(cwd)
     module.main(tyro.cli(module.Args, args=argv))
 
@@ -149,8 +150,7 @@ def test_non_finite_updates_are_skipped_counted_and_stop_the_run_when_they_persi
     assert saved == list(range(1, failed_step))  # the step that failed saved nothing; the earlier ones stay
 
 
-@pytest.mark.parametrize("module", MODULES)
-def test_a_reward_function_that_raises_scores_0_only_where_it_fails(module):
+def test_a_reward_function_that_raises_scores_0_only_where_it_fails():
     def fragile(completions, answers):
         if any("boom" in c for c in completions):
             raise ValueError("boom")
@@ -158,7 +158,7 @@ def test_a_reward_function_that_raises_scores_0_only_where_it_fails(module):
 
     task = rewards.Task(train=[], test=[], correctness=fragile)
     weights = {"correctness": 1.0, "format": 0.5}
-    total, parts = module.score(["ok", "boom", "\\boxed{3}"], ["1", "1", "3"], task, weights)
+    total, parts = rewards.score(["ok", "boom", "\\boxed{3}"], ["1", "1", "3"], task, weights)
     assert parts["correctness"].tolist() == [1.0, 0.0, 1.0]
     assert parts["errors"].tolist() == [0.0, 1.0, 0.0]
     assert total.tolist() == [1.0, 0.0, 1.5]
@@ -176,19 +176,55 @@ def test_prompts_longer_than_max_prompt_tokens_are_reported(module, tiny_model, 
 
 @pytest.mark.parametrize("module", MODULES)
 def test_a_crash_while_saving_leaves_no_checkpoint_that_looks_complete(module, tiny_model, tmp_path, monkeypatch):
-    """`save` writes into .tmp-step_N and renames it into place last: a crash while writing the training state leaves
-    the earlier checkpoint the newest complete one, and --resume .../latest finds it, not the half-written one."""
-    tokenizer, model = module.load_model(tiny_model, torch.device("cpu"))
+    """`save_checkpoint` writes into .tmp-step_N and renames it into place, then points `latest` at it: a crash while
+    writing the training state leaves the earlier checkpoint the one --resume .../latest continues from."""
+    tokenizer, model = module.load_model(tiny_model)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    module.save(model, tokenizer, str(run_dir / "step_2"), model.state_dict(), {"step": 2}, keep=1)
+    state = {"script": f"{module.__name__}.py", "args": dataclasses.asdict(module.Args())}
+    module.save_checkpoint(str(run_dir / "step_2"), model, tokenizer, {**state, "step": 2}, keep=1)
 
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(OSError, match="disk full"):
-        module.save(model, tokenizer, str(run_dir / "step_4"), model.state_dict(), {"step": 4}, keep=1)
-    assert sorted(os.listdir(run_dir)) == [".tmp-step_4", "step_2"]
+        module.save_checkpoint(str(run_dir / "step_4"), model, tokenizer, {**state, "step": 4}, keep=1)
+    assert sorted(os.listdir(run_dir)) == [".tmp-step_4", "latest", "step_2"]
     (run_dir / "step_6").mkdir()  # a folder without training_state.pt (copied by hand, say) is not complete either
-    assert module.find_checkpoint(str(run_dir / "latest")) == str(run_dir / "step_2")
+    args, loaded = module.resume(module.Args(resume=str(run_dir / "latest")))
+    assert args.resume == str(run_dir / "step_2") and loaded["step"] == 2
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_latest_never_names_a_checkpoint_of_an_abandoned_branch(module, tiny_model, copy_task, tmp_path, monkeypatch,
+                                                               capsys):
+    """4 steps saved, then resumed from step 2 and crashed in step 3: `latest` names step_2, not the old step_4."""
+    train(module, tmp_path, small_run(module, tiny_model, copy_task, "--steps", "4", "--eval-every", "0",
+                                      "--save-every", "1", "--keep-checkpoints", "0"), monkeypatch)
+    (run_dir,) = glob.glob(str(tmp_path / "ckpt" / "*"))
+
+    def crash(*args):
+        raise RuntimeError("a crash in step 3")
+
+    monkeypatch.setattr(module.rewards, "score", crash)
+    with pytest.raises(RuntimeError, match="a crash in step 3"):
+        module.main(tyro.cli(module.Args, args=["--resume", os.path.join(run_dir, "step_2")]))
+    latest = os.path.join(run_dir, "latest")
+    command = f"python {sys.argv[0]} --resume {os.path.join('ckpt', os.path.basename(run_dir), 'latest')}"
+    assert f"crashed; resume with: {command}" in capsys.readouterr().out
+    assert os.path.isdir(os.path.join(run_dir, "step_4"))  # still there, but not what --resume .../latest takes
+    assert module.resume(module.Args(resume=latest))[0].resume == os.path.join(run_dir, "step_2")
+
+
+def test_a_run_under_torchrun_prints_the_torchrun_command_that_resumes_it(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["grpo.py"])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert MODULES[0].resume_command("ckpt/step_3") == "torchrun --nproc_per_node=2 grpo.py --resume ckpt/step_3"
+    monkeypatch.setenv("WORLD_SIZE", "16")  # two nodes of 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert MODULES[0].resume_command("x") == "torchrun --nproc_per_node=8 --nnodes=2 grpo.py --resume x"
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert MODULES[0].resume_command("x") == "python grpo.py --resume x"

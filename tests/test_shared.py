@@ -74,7 +74,7 @@ def test_gradient_checkpointing_recomputes_the_forward_in_the_backward_pass(modu
     ids, attention = torch.tensor([[5, 6, 7, 8]]), torch.ones(1, 4, dtype=torch.long)
     recomputed = []
     for checkpointing in (False, True):
-        _, model = module.load_model(tiny_model, CPU)
+        _, model = module.load_model(tiny_model)
         if checkpointing:
             model.gradient_checkpointing_enable()
         calls = []  # the attention's pre-hook runs again when the layer is recomputed
@@ -103,8 +103,8 @@ def model_with_generation_config(tiny_model, tmp_path_factory) -> str:
 def test_greedy_sampling_ignores_the_checkpoints_generation_config(module, model_with_generation_config):
     """Greedy `sample()` must give the argmax of the model's own distribution at every position: no repetition
     penalty, no n-gram ban, no do_sample or length limit merged in from the saved generation_config.json."""
-    tokenizer, model = module.load_model(model_with_generation_config, CPU)
-    eos_ids = module.eos_token_ids(tokenizer, model)
+    tokenizer, model = module.load_model(model_with_generation_config)
+    eos_ids = model.generation_config.eos_token_id
     greedy = GenerationConfig(do_sample=False, max_new_tokens=12, pad_token_id=tokenizer.pad_token_id,
                               eos_token_id=eos_ids)
     prompts = [tokenizer("12+3=").input_ids, tokenizer("7").input_ids]
@@ -127,8 +127,8 @@ def test_each_prompt_runs_once_in_sampling_and_the_draws_are_those_of_plain_gene
     """`sample` runs each prompt once and copies its keys and values to its `repeat` rows before decoding: with the
     same seed it must draw the tokens of one plain `generate` over the repeated, left-padded prompts, from the same
     logits."""
-    tokenizer, model = module.load_model(tiny_model, CPU)
-    eos_ids = module.eos_token_ids(tokenizer, model)
+    tokenizer, model = module.load_model(tiny_model)
+    eos_ids = model.generation_config.eos_token_id
     config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, max_new_tokens=10,
                               pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)
     prompts = [tokenizer(text).input_ids for text in ["7", "1+2=", "12+34=?"]]  # 2, 5 and 8 tokens
@@ -157,7 +157,7 @@ def test_each_prompt_runs_once_in_sampling_and_the_draws_are_those_of_plain_gene
 def test_each_prompt_computed_once_gives_the_log_probs_and_gradients_of_whole_rows(module, checkpointing, tiny_model):
     """Two groups of 3 (prompts of 4 and 2 tokens, left-padded; completions of 1 to 5 tokens, right-padded): log-probs
     and gradients through the shared prompt pass must equal one plain pass over each whole row."""
-    _, model = module.load_model(tiny_model, CPU)
+    _, model = module.load_model(tiny_model)
     if checkpointing:  # checkpointed layers drop a cache, so then the rows run whole
         model.gradient_checkpointing_enable()
     prompts, prompt_mask = [[5, 6, 7, 8], [0, 0, 9, 10]], [[1, 1, 1, 1], [0, 0, 1, 1]]
@@ -212,7 +212,7 @@ def test_dropout_is_off_so_log_probs_repeat(module, architecture, tiny_model, tm
     torch.manual_seed(0)
     model_class(config).save_pretrained(tmp_path)
     AutoTokenizer.from_pretrained(tiny_model).save_pretrained(tmp_path)
-    _, model = module.load_model(str(tmp_path), CPU)
+    _, model = module.load_model(str(tmp_path))
     assert model.training
     ids, attention = torch.tensor([[5, 6, 7, 8, 9, 10, 11]]), torch.ones(1, 7, dtype=torch.long)
     first, _ = module.token_logprobs(model, ids, attention, 5, 1.0)
@@ -224,7 +224,7 @@ def test_dropout_is_off_so_log_probs_repeat(module, architecture, tiny_model, tm
 def test_bfloat16_compute_trains_float32_weights_that_move(module, tiny_model, copy_task, tmp_path, monkeypatch):
     """--dtype bfloat16: one AdamW step at lr 1e-5 must change most weights. In bf16 weights such a step is below the
     resolution of nearly every entry (|w| > ~3e-3), so bf16 weights would not move at all."""
-    monkeypatch.setattr(module, "score", ScriptedRewards([[1, 0, 0, 1, 0, 1, 1, 0]]))  # contrast in both groups
+    monkeypatch.setattr(module.rewards, "score", ScriptedRewards([[1, 0, 0, 1, 0, 1, 1, 0]]))  # contrast in both groups
     monkeypatch.chdir(tmp_path)
     argv = ["--model", tiny_model, "--task", copy_task, "--dtype", "bfloat16", "--steps", "1", "--learning-rate",
             "1e-5", "--eval-every", "0", "--num-prompts", "2", "--group-size", "4", "--num-minibatches", "1",
