@@ -11,19 +11,25 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_NEW_TOKENS = 4
+BARE_EOS = os.environ.get("BARE_EOS") == "1"  # rank 0's completions are all a bare EOS (one process: the first half)
 
 
 def fixed_sample(model, tokenizer, prompt_ids, repeat, gen_config, eos_ids):
     """What `sample` returns, for completions drawn from a generator seeded by the prompt: completion j of a group
-    starts with the digit j, then random digits, and ends with EOS at a random place, or not at all (truncated)."""
+    starts with the digit j, then random digits, and ends with EOS at a random place, or not at all (truncated).
+    With BARE_EOS, the completions of rank 0's prompts (of the first half, in one process) are one EOS token."""
     width, T, pad = max(len(ids) for ids in prompt_ids), MAX_NEW_TOKENS, tokenizer.pad_token_id
     digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
     rows, prompt_masks, completion_masks = [], [], []
-    for ids in prompt_ids:
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    for p, ids in enumerate(prompt_ids):
         generator = torch.Generator().manual_seed(sum((i + 1) * t for i, t in enumerate(ids)))
+        bare = BARE_EOS and (rank == 0 if world > 1 else p < len(prompt_ids) // 2)
         for j in range(repeat):
             completion = [digits[j % 10]] + [digits[d] for d in torch.randint(0, 10, (T - 1,), generator=generator)]
             end = int(torch.randint(1, T + 1, (1,), generator=generator))  # EOS at position `end`; T: truncated
+            if bare:
+                completion[0], end = eos_ids[0], 0
             if end < T:
                 completion[end] = eos_ids[0]
             length = min(end + 1, T)

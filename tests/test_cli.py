@@ -29,14 +29,18 @@ SHARED_BAD_INPUTS = [
     (["--task", "broken.jsonl"], "broken.jsonl: line 2 is not valid JSON"),
     (["--task", "no_answer.jsonl"], "no_answer.jsonl: line 3 has no field 'answer'"),
     (["--model", "no-such-org/no-such-model"], "Hugging Face Hub cannot be reached (offline?)"),
-    (["--resume", "nowhere"], "no complete checkpoint")]
+    (["--resume", "nowhere"], "no complete checkpoint"), (["--learning-rate", "-1"], "--learning-rate"),
+    (["--max-grad-norm", "0"], "--max-grad-norm"), (["--top-p", "1.5"], "--top-p")]
 BAD_FILES = {"empty.jsonl": "", "broken.jsonl": '{"prompt": "1", "answer": "1"}\n{"prompt": "2", "answer"\n',
              "no_answer.jsonl": '{"prompt": "1", "answer": "1"}\n\n{"prompt": "2"}\n'}
 OWN_BAD_INPUTS = [
     (grpo, ["--group-size", "1"], "--group-size"), (gspo, ["--group-size", "1"], "--group-size"),
     (dapo, ["--group-size", "1"], "--group-size"), (ppo, ["--group-size", "0"], "--group-size"),
     (dapo, ["--overlong-buffer", "48"], "--overlong-buffer"), (dapo, ["--max-sampling-rounds", "0"], "rounds"),
-    (ppo, ["--lam", "1.5"], "--lam"), (ppo, ["--vf-coef", "-1"], "coefficients")]
+    (ppo, ["--lam", "1.5"], "--lam"), (ppo, ["--vf-coef", "-1"], "coefficients"),
+    (ppo, ["--critic-learning-rate", "-1"], "--critic-learning-rate"), (grpo, ["--clip-eps", "-0.2"], "--clip-eps"),
+    (gspo, ["--clip-eps-high", "0"], "clip ranges"), (dapo, ["--clip-eps-low", "-1"], "clip ranges"),
+    (grpo, ["--beta", "-1"], "--beta"), (dapo, ["--overlong-penalty", "-1"], "--overlong-penalty")]
 # Each run costs about 4 s, nearly all of it importing torch and transformers. The default run sends every bad input
 # once: the shared ones to grpo.py, whose checks the other scripts copy line for line; the slow run sends them to
 # the other three scripts too.

@@ -28,22 +28,24 @@ def batch(module) -> list[str]:
     return [*GROUPS.get(name, ["--num-prompts", "4", "--group-size", "4"]), *OWN_ARGS.get(name, [])]
 
 
-def launch(argv: list[str], cwd, processes: int) -> subprocess.CompletedProcess:
+def launch(argv: list[str], cwd, processes: int, **env: str) -> subprocess.CompletedProcess:
     """`python argv...` alone, or under `torchrun --nproc_per_node processes`, one thread per process."""
     torchrun = ["-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
     launcher = [sys.executable] + (torchrun if processes > 1 else [])
     result = subprocess.run(launcher + argv, cwd=cwd, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **env})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
 
-@pytest.mark.parametrize("module", MODULES)
-def test_two_processes_take_the_same_update_as_one(module, tiny_model, copy_task, tmp_path):
+@pytest.mark.parametrize("module, bare_eos", [(m, "0") for m in MODULES] + [(grpo, "1"), (ppo, "1")])
+def test_two_processes_take_the_same_update_as_one(module, bare_eos, tiny_model, copy_task, tmp_path):
     """Fixed completions and rewards (tests/fixed_rollouts.py), SGD at lr 0.1, two steps of one update each, KL on
     (beta 0.1, DAPO 0) so the reference model is sharded too: the weights after two steps, and the logged rewards,
     equal one process's. This covers GRPO's and GSPO's sample means, DAPO's token normaliser over both ranks' tokens
-    and its filter, and PPO's critic, GAE and advantage whitening over both ranks' tokens."""
+    and its filter, and PPO's critic, GAE and advantage whitening over both ranks' tokens. With BARE_EOS, rank 0's
+    completions are all one token and rank 1's longer: both must still make the same model calls (each a collective
+    under FSDP2), or they wait for each other forever."""
     argv = [os.path.join(ROOT, "tests", "fixed_rollouts.py"), module.__name__, "--model", tiny_model, "--task",
             copy_task, "--steps", "2", "--eval-every", "0", "--output-dir", "ckpt", "--learning-rate", "0.1",
             "--num-minibatches", "1", "--micro-batch-size", "3", "--beta", "0" if module.__name__ == "dapo" else "0.1",
@@ -51,7 +53,7 @@ def test_two_processes_take_the_same_update_as_one(module, tiny_model, copy_task
     weights, rewards = [], []
     for processes in (1, 2):
         (tmp_path / str(processes)).mkdir()
-        launch(argv, tmp_path / str(processes), processes)
+        launch(argv, tmp_path / str(processes), processes, BARE_EOS=bare_eos)
         (checkpoint,) = glob.glob(str(tmp_path / str(processes) / "ckpt" / "*" / "step_2"))
         weights.append(load_file(os.path.join(checkpoint, "model.safetensors")))
         rewards.append(read_run(str(tmp_path / str(processes)))[0]["charts/reward_mean"])
@@ -71,7 +73,7 @@ def test_a_two_process_run_logs_once_and_saves_one_checkpoint_that_loads_on_one_
     scalars, _ = read_run(str(tmp_path))  # exactly one TensorBoard run
     assert [s for s, _ in scalars["charts/reward_mean"]] == [1, 2]
     assert [s for s, _ in scalars["charts/eval_accuracy"]] == [0, 1, 2]
-    (checkpoint,) = glob.glob(str(tmp_path / "ckpt" / "*" / "*"))
+    (checkpoint,) = glob.glob(str(tmp_path / "ckpt" / "*" / "step_*"))
     assert checkpoint.endswith("step_2")
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
     assert model(torch.tensor([[5, 6]])).logits.shape == (1, 2, model.config.vocab_size)

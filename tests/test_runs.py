@@ -60,18 +60,25 @@ def test_two_step_run_logs_metrics_and_saves_a_loadable_checkpoint(module, tiny_
     assert "|num_prompts|4|" in texts["hyperparameters/text_summary"][0]
     assert "|reward|completion|" in texts["completions/text_summary"][0]
     (run_dir,) = glob.glob(str(tmp_path / "ckpt" / "*"))
-    assert os.listdir(run_dir) == ["step_2"]  # step_1 was saved, then removed (--keep-checkpoints 1), no temporary left
+    assert sorted(os.listdir(run_dir)) == ["latest", "step_2"]  # step_1 was saved, then removed; no temporary left
+    with open(os.path.join(run_dir, "latest")) as f:
+        assert f.read() == "step_2"
+    # the rate each step's updates used: 2e-5, then 1e-5 (linear decay to 0 over 2 steps)
+    assert [v for _, v in scalars["charts/learning_rate"]] == pytest.approx([2e-5, 1e-5])
     model = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "step_2"))
     assert model(torch.tensor([[5, 6]])).logits.shape == (1, 2, model.config.vocab_size)
 
 
 @pytest.mark.parametrize("module", MODULES)
-def test_micro_batching_does_not_change_the_update(module, tiny_model, copy_task, tmp_path, monkeypatch):
-    """Same seed, same samples: micro-batches of 32 (the whole mini-batch) and of 5 (ragged) give the same
-    weights. Runs main() in-process with SGD in place of AdamW, whose first step is nearly sign(g) and so
-    would turn float rounding in near-zero gradients into differences of a whole learning rate."""
+def test_micro_batching_changes_neither_the_update_nor_the_logged_statistics(module, tiny_model, copy_task, tmp_path,
+                                                                             monkeypatch):
+    """Same seed, same samples: micro-batches of 32 (the whole mini-batch) and of 5 (ragged, of different lengths)
+    give the same weights, and the same logged loss statistics, each micro-batch weighted as the loss weighs it
+    (an unweighted mean of micro-batch means over-weights the short completions). Runs main() in-process with SGD in
+    place of AdamW, whose first step is nearly sign(g) and so would turn float rounding in near-zero gradients into
+    differences of a whole learning rate."""
     monkeypatch.setattr(torch.optim, "AdamW", lambda params, lr, **options: torch.optim.SGD(params, lr=lr))
-    weights = []
+    weights, statistics = [], []
     for micro in ["32", "5"]:
         (tmp_path / micro).mkdir()
         monkeypatch.chdir(tmp_path / micro)
@@ -82,10 +89,16 @@ def test_micro_batching_does_not_change_the_update(module, tiny_model, copy_task
         module.main(tyro.cli(module.Args, args=argv))
         (last,) = glob.glob("ckpt/*/step_1")
         weights.append(AutoModelForCausalLM.from_pretrained(last).state_dict())
+        scalars = read_run(str(tmp_path / micro))[0]  # the spreads of the log-ratios are per micro-batch: left out
+        statistics.append({k: v[0][1] for k, v in scalars.items() if k.startswith("losses/") and "std" not in k})
     initial = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
     assert any(not torch.allclose(weights[0][k], initial[k], atol=1e-3) for k in initial)  # it did train
     for k in initial:
         assert torch.allclose(weights[0][k], weights[1][k], atol=1e-5), k
+    assert statistics[0].keys() == statistics[1].keys() and "losses/clip_fraction" in statistics[0]
+    assert statistics[0]["losses/clip_fraction"] > 0  # off-policy mini-batches: something was clipped
+    for k, v in statistics[0].items():
+        assert statistics[1][k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
 
 
 @pytest.mark.slow

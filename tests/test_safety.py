@@ -109,8 +109,10 @@ def test_a_signal_stops_after_the_step_saves_and_exits_0_and_the_run_resumes(mod
     that resumes it is printed, exit code 0. That command continues the run, which a second signal stops again."""
     argv = small_run(module, tiny_model, copy_task, "--steps", "10000", "--eval-every", "0", "--save-every", "0")
     output, first = stop(start([module.__file__, *argv], tmp_path, "TensorBoard"), signum)
-    (checkpoint,) = glob.glob(str(tmp_path / "ckpt" / "*" / "*"))  # nothing else: no temporary folder left
-    assert checkpoint.endswith(f"step_{first}") and os.path.isfile(os.path.join(checkpoint, "training_state.pt"))
+    (run_dir,) = glob.glob(str(tmp_path / "ckpt" / "*"))
+    assert sorted(os.listdir(run_dir)) == ["latest", f"step_{first}"]  # nothing else: no temporary folder left
+    checkpoint = os.path.join(run_dir, f"step_{first}")
+    assert os.path.isfile(os.path.join(checkpoint, "training_state.pt"))
     command = shlex.split(re.search(r"resume with: (.*)", output).group(1))
     assert command[0] == "python" and command[2:] == ["--resume", os.path.relpath(checkpoint, tmp_path)]
     output, second = stop(start(command[1:], tmp_path, f"after step {first}"), signal.SIGTERM)
