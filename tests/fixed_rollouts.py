@@ -3,6 +3,7 @@ and several (under torchrun) train on exactly the same completions with the same
 first step is nearly sign(g). Usage: python tests/fixed_rollouts.py grpo ARGS... (or under torchrun)."""
 
 import importlib
+import json
 import os
 import sys
 
@@ -50,8 +51,26 @@ def fixed_score(completions, answers, task, weights):
     return correct, {"correctness": correct}
 
 
+def recording(shard):
+    """`shard`, also writing what this process holds of each sharded module to $REPORT_SHARDS.{rank}.json: the bytes
+    of its parameters' local shards and of the whole parameters, and the device of the input module."""
+    def wrapped(module, layer_names, dtype, device):
+        full = sum(p.numel() * p.element_size() for p in module.parameters())
+        where = str(next(module.parameters()).device)
+        module = shard(module, layer_names, dtype, device)
+        local = sum(p.to_local().numel() * p.element_size() for p in module.parameters())
+        records.append({"full": full, "local": local, "loaded_on": where, "dtype": str(dtype)})
+        with open(f"{os.environ['REPORT_SHARDS']}.{os.environ.get('RANK', '0')}.json", "w") as f:
+            json.dump(records, f)
+        return module
+    records = []
+    return wrapped
+
+
 if __name__ == "__main__":
     module = importlib.import_module(sys.argv[1])
+    if "REPORT_SHARDS" in os.environ:
+        module.shard = recording(module.shard)
     module.sample, module.rewards.score = fixed_sample, fixed_score
     torch.optim.AdamW = lambda params, lr, **options: torch.optim.SGD(params, lr=lr)
     module.main(tyro.cli(module.Args, args=sys.argv[2:] + ["--max-new-tokens", str(MAX_NEW_TOKENS)]))

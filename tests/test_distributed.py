@@ -2,6 +2,7 @@
 run that logs once and writes one checkpoint that loads on one process."""
 
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -102,3 +103,25 @@ def test_a_two_process_run_resumes_to_the_same_weights(module, tiny_model, copy_
                for root in (tmp_path / "whole", tmp_path / "resumed")]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     assert all(torch.equal(states[0].get("critic", {})[k], v) for k, v in states[1].get("critic", {}).items())
+
+
+@pytest.mark.parametrize("module", [grpo, ppo])
+def test_after_set_up_each_process_holds_its_share_of_the_weights(module, tiny_model, copy_task, tmp_path):
+    """Two processes, --dtype bfloat16: every model is loaded on the CPU, never whole on a device, and after sharding
+    each process holds half of the float32 policy (and of PPO's critic) and half of the bf16 reference model, as
+    docs/distributed.md counts it."""
+    argv = [os.path.join(ROOT, "tests", "fixed_rollouts.py"), module.__name__, "--model", tiny_model, "--task",
+            copy_task, "--steps", "1", "--eval-every", "0", "--output-dir", "ckpt", "--dtype", "bfloat16",
+            "--beta", "0.1", *batch(module)]
+    launch(argv, tmp_path, 2, REPORT_SHARDS=str(tmp_path / "shards"))
+    ranks = []
+    for rank in (0, 1):
+        with open(tmp_path / f"shards.{rank}.json") as f:
+            ranks.append(json.load(f))  # reference, policy (, critic): in the order main shards them
+    for records in ranks:
+        assert len(records) == 2 + (module is ppo) and all(r["loaded_on"] == "cpu" for r in records)
+        assert records[0]["full"] == records[1]["full"] // 2  # the reference in bf16, the policy in float32
+        for r in records:  # a shard is half of each parameter's rows, the first rank taking the odd one
+            assert 0.45 * r["full"] <= r["local"] <= 0.55 * r["full"], r
+    for first, second in zip(*ranks):
+        assert first["local"] + second["local"] == first["full"]
