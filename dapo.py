@@ -79,7 +79,7 @@ class Args:
     # optimisation
     learning_rate: float = 2e-5  # AdamW learning rate
     warmup_steps: int = 0  # linear learning-rate warm-up over this many steps
-    lr_schedule: Literal["linear", "constant"] = "linear"  # after the warm-up: decay to 0 by the end, or constant
+    lr_schedule: Literal["linear", "constant"] = "linear"  # linear: lr x (1 - step / steps), as TRL; or constant
     num_iterations: int = 1  # passes (mu) over each sampled batch
     num_minibatches: int = 2  # optimizer steps per pass, each on num_prompts / num_minibatches whole groups
     micro_batch_size: int = 8  # completions per forward/backward pass (gradient accumulation; memory only, not results)
@@ -631,9 +631,9 @@ def resume(args: Args) -> tuple[Args, dict | None]:
         return args, None
     if args != Args(resume=args.resume):
         raise SystemExit("error: --resume continues the run with the checkpoint's arguments; give no others")
-    path = args.resume  # a checkpoint folder; {run folder}/latest, the one that file names; else the highest step
+    path = os.path.normpath(args.resume)  # a checkpoint; {run folder}/latest: the one it names; else the highest step
     folder = os.path.dirname(path) if os.path.basename(path) == "latest" else path
-    if os.path.isfile(path):
+    if os.path.basename(path) == "latest" and os.path.isfile(path):
         with open(path) as f:
             named = os.path.join(folder, f.read().strip())
         folder = named if os.path.isfile(os.path.join(named, STATE_FILE)) else folder  # unless deleted since
@@ -736,7 +736,8 @@ def finish(writer, path: str | None, stopped_at: int | None, accuracy: dict) -> 
         dist.destroy_process_group()
     if stopped_at is not None and path is not None:
         print(f"stopped after step {stopped_at}; resume with: {resume_command(path)}")
-    print(f"saved {path}")
+    if path is not None:
+        print(f"saved {path}")
     if 0 in accuracy:
         last = max(accuracy)
         print(f"held-out greedy accuracy: {accuracy[0]:.3f} before training -> {accuracy[last]:.3f} after {last} steps")

@@ -84,7 +84,7 @@ class Args:
     # optimisation
     learning_rate: float = 2e-5  # AdamW learning rate
     warmup_steps: int = 0  # linear learning-rate warm-up over this many steps
-    lr_schedule: Literal["linear", "constant"] = "linear"  # after the warm-up: decay to 0 by the end, or constant
+    lr_schedule: Literal["linear", "constant"] = "linear"  # linear: lr x (1 - step / steps), as TRL; or constant
     num_iterations: int = 1  # passes (mu) over each sampled batch
     num_minibatches: int = 2  # optimizer steps per pass, each on num_prompts / num_minibatches whole groups
     micro_batch_size: int = 8  # completions per forward/backward pass (gradient accumulation; memory only, not results)
@@ -186,11 +186,13 @@ def compute_value_loss(values, old_values, returns, mask, args: Args):
 
 
 def explained_variance(values, returns, mask) -> float:
-    """1 - Var(R - V) / Var(R) over the real tokens: 1 for a perfect critic, 0 for a constant one; nan when every
-    return is equal (as when every reward is 0)."""
-    real = mask.bool()
-    variance = returns[real].var()
-    return (1 - (returns[real] - values[real]).var() / variance).item() if variance > 0 else float("nan")
+    """1 - Var(R - V) / Var(R) over the real tokens of every rank: 1 for a perfect critic, 0 for a constant one; nan
+    when every return is equal (as when every reward is 0)."""
+    real, error = mask.bool(), returns - values
+    n, r, r2, e, e2 = all_gather(torch.stack([real.sum(), returns[real].sum(), (returns[real] ** 2).sum(),
+                                              error[real].sum(), (error[real] ** 2).sum()]).double()[None]).sum(0)
+    variance = r2 - r * r / n  # n Var(R), and n Var(R - V) below
+    return (1 - (e2 - e * e / n) / variance).item() if variance > 1e-12 * r2.clamp(min=1) else float("nan")
 
 
 def compute_policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args: Args):
@@ -459,13 +461,14 @@ def main(args: Args) -> None:
             prompt_tokens = attention_mask[:: args.group_size, :-T].sum()
             sampled_tokens = all_gather(prompt_tokens + completion_mask.sum()).sum().item()
             trained_tokens = sampled_tokens  # every sampled completion is trained on
+            tokens = all_gather(completion_mask.sum()).sum()  # PPO: every rank's completion tokens
             log(writer, step, {
                 "reward_mean": rewards_all.mean().item(), "reward_std": rewards_all.std().item(),
                 **{f"reward_{name}": all_gather(part).mean().item() for name, part in reward_parts.items()},
                 "completion_length_mean": lengths.mean().item(),
                 "truncated_fraction": all_gather(truncated.float()).mean().item(),
-                "value_mean": all_gather(masked_mean(old_values, completion_mask)).mean().item(),  # PPO
-                "returns_mean": all_gather(masked_mean(returns, completion_mask)).mean().item(),  # PPO
+                "value_mean": (all_gather((old_values * completion_mask).sum()).sum() / tokens).item(),  # PPO
+                "returns_mean": (all_gather((returns * completion_mask).sum()).sum() / tokens).item(),  # PPO
                 "non_score_reward": all_gather(non_score.sum(1)).mean().item(),  # PPO: the KL part of the reward
                 "learning_rate": learning_rate, "skipped_updates": skipped, "step_seconds": time.time() - step_start,
                 "time_sample": sample_seconds - score_seconds, "time_score": score_seconds,  # the phases, in seconds
@@ -477,8 +480,8 @@ def main(args: Args) -> None:
                 "tokens_trained": 2 * args.num_iterations * trained_tokens,  # PPO: the policy and the critic
                 "train_tokens_per_second": 2 * args.num_iterations * trained_tokens / train_seconds,
             }, weighted_means(stats))
-            explained = all_gather(torch.tensor([explained_variance(old_values, returns, completion_mask)])).mean()
-            log(writer, step, {}, {} if explained.isnan() else {"explained_variance": explained.item()})  # PPO
+            explained = explained_variance(old_values, returns, completion_mask)  # PPO: nan when every return is equal
+            log(writer, step, {}, {} if math.isnan(explained) else {"explained_variance": explained})
             if writer and args.log_completions_every > 0 and step % args.log_completions_every == 0:
                 rows = [f"|{reward[i]:.2f}|{json.dumps(completions[i])[:500]}|" for i in range(min(4, B))]
                 writer.add_text("completions", "|reward|completion|\n|-|-|\n" + "\n".join(rows), step)
@@ -662,9 +665,9 @@ def resume(args: Args) -> tuple[Args, dict | None]:
         return args, None
     if args != Args(resume=args.resume):
         raise SystemExit("error: --resume continues the run with the checkpoint's arguments; give no others")
-    path = args.resume  # a checkpoint folder; {run folder}/latest, the one that file names; else the highest step
+    path = os.path.normpath(args.resume)  # a checkpoint; {run folder}/latest: the one it names; else the highest step
     folder = os.path.dirname(path) if os.path.basename(path) == "latest" else path
-    if os.path.isfile(path):
+    if os.path.basename(path) == "latest" and os.path.isfile(path):
         with open(path) as f:
             named = os.path.join(folder, f.read().strip())
         folder = named if os.path.isfile(os.path.join(named, STATE_FILE)) else folder  # unless deleted since
@@ -767,7 +770,8 @@ def finish(writer, path: str | None, stopped_at: int | None, accuracy: dict) -> 
         dist.destroy_process_group()
     if stopped_at is not None and path is not None:
         print(f"stopped after step {stopped_at}; resume with: {resume_command(path)}")
-    print(f"saved {path}")
+    if path is not None:
+        print(f"saved {path}")
     if 0 in accuracy:
         last = max(accuracy)
         print(f"held-out greedy accuracy: {accuracy[0]:.3f} before training -> {accuracy[last]:.3f} after {last} steps")
