@@ -157,3 +157,16 @@ def test_dynamic_sampling_filters_on_correctness_not_on_the_total_reward(tmp_pat
 def test_has_contrast_counts_correct_completions():
     correctness = torch.tensor([1.0, 1, 1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 1, 1])
     assert dapo.has_contrast(correctness, 4).tolist() == [False, False, True, True]
+
+
+def test_the_logged_clip_fraction_is_that_of_the_mini_batchs_tokens():
+    """8 completions of 4 tokens, all clipped, and 8 of 40, none clipped, in two micro-batches sorted by length: the
+    mini-batch's clip fraction is 32 / 352 = 0.091 of its tokens (a plain mean of the two micro-batches' gave 0.5)."""
+    entries = []
+    for length, ratio in ((4, 1.5), (40, 1.0)):  # 1.5 > 1 + clip_eps_high with A > 0: clipped
+        mask = torch.zeros(8, 40)
+        mask[:, :length] = 1
+        _, stats = loss_of(torch.full((8, 40), ratio).log(), torch.zeros(8, 40), torch.ones(8), mask)
+        entries.append((mask.sum().item(), stats))  # weighted as main weighs DAPO's micro-batches: by their tokens
+    assert [s["clip_fraction"] for _, s in entries] == [1.0, 0.0]
+    assert dapo.weighted_means(entries)["clip_fraction"] == pytest.approx(32 / 352)
