@@ -23,6 +23,10 @@ MODULES = [importlib.import_module(script.removesuffix(".py")) for script in SCR
 # DAPO's overlong buffer (12 tokens by default) must be shorter than --max-new-tokens; the tests generate 2 to 8
 # tokens, too few to shape by length, so it is off in them (tests/test_dapo.py checks the penalty itself)
 OWN_ARGS = {"dapo": ["--overlong-buffer", "0"]}
+# One thread for the runs in this process: the tiny model gains nothing from two, and on a 2-core machine that other
+# work shares, two threads wait on each other (micro-batch invariance and a resumed run, 8 runs: 93 s with two threads,
+# 11 s with one, both under that load). The scripts run as subprocesses keep their default.
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
