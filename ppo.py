@@ -188,11 +188,14 @@ def compute_value_loss(values, old_values, returns, mask, args: Args):
 def explained_variance(values, returns, mask) -> float:
     """1 - Var(R - V) / Var(R) over the real tokens of every rank: 1 for a perfect critic, 0 for a constant one; nan
     when every return is equal (as when every reward is 0)."""
-    real, error = mask.bool(), returns - values
-    n, r, r2, e, e2 = all_gather(torch.stack([real.sum(), returns[real].sum(), (returns[real] ** 2).sum(),
-                                              error[real].sum(), (error[real] ** 2).sum()]).double()[None]).sum(0)
-    variance = r2 - r * r / n  # n Var(R), and n Var(R - V) below
-    return (1 - (e2 - e * e / n) / variance).item() if variance > 1e-12 * r2.clamp(min=1) else float("nan")
+    real = mask.bool()
+
+    def variance(x):  # two passes over every rank's real tokens: the mean, then the squared deviations
+        n, total = all_gather(torch.stack([real.sum(), x[real].sum()]).double()[None]).sum(0)
+        return all_gather(((x[real].double() - total / n) ** 2).sum()).sum() / n
+
+    returns_variance = variance(returns)
+    return (1 - variance(returns - values) / returns_variance).item() if returns_variance > 0 else float("nan")
 
 
 def compute_policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args: Args):

@@ -43,6 +43,7 @@ class FixedGenerator(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1))
         self.completions = torch.tensor(completions)
+        self.config = LlamaConfig(num_hidden_layers=1)  # attention layers: a cache that can be shared
 
     def forward(self, input_ids, attention_mask, position_ids, use_cache, cache, logits_to_keep):  # the prompt pass
         self.prompt_rows = len(input_ids)
