@@ -3,14 +3,19 @@
 A task is a list of records {"prompt": str | list[chat messages], "answer": str} with a train and a
 test split, plus the reward functions that score completions of it. `--task` names one of:
   - a built-in task generated from a seed, so no download is needed: `arithmetic`, `countdown`;
+  - `reasoning_gym:NAME` (`reasoning_gym:chain_sum`): a procedural dataset of the optional `reasoning-gym` package,
+    generated offline and scored by its own checker;
   - a `.jsonl` file with one record per line (fields chosen with `prompt_field` / `answer_field`);
-  - a Hugging Face Hub dataset id such as `openai/gsm8k` (needs the `datasets` package).
+  - a Hugging Face Hub dataset id such as `openai/gsm8k`, a local dataset folder (a copy of one, in the Hub's layout)
+    or a `.parquet` file (these need the `datasets` package).
 
 Every reward function has the signature `fn(completions: list[str], answers: list[str]) -> list[float]`,
 never raises on any string, and answers in bounded time: linear-time scans find the stated answer, and
 HuggingFace's math-verify (https://github.com/huggingface/Math-Verify) reads it when it is LaTeX (`\\$1{,}000`,
 `\\frac{3}{4}`, `5\\%`, at most MAX_ANSWER_CHARS characters) and compares it symbolically, under its time limit.
 Plain numbers are compared exactly, without it.
+The one exception is a reasoning-gym task's correctness: that package's own checker, which this module only
+keeps from raising.
 """
 
 import functools
@@ -308,6 +313,7 @@ def score(completions: list[str], answers: list[str], task: Task, weights: dict[
 
 BUILTIN_TASKS = ("arithmetic", "countdown")
 BUILTIN_SIZES = (5000, 200)  # train and test records of a built-in task
+REASONING_GYM = "reasoning_gym:"  # --task reasoning_gym:NAME
 
 
 def make_arithmetic(rng: random.Random, difficulty: int) -> dict:
@@ -397,13 +403,21 @@ def jsonl_task(path: str, prompt_field: str, answer_field: str) -> Task:
 
 
 def hub_task(name: str, prompt_field: str, answer_field: str) -> Task:
-    """A Hub dataset: its test split, or else the last 10% of its train split held out. The prompt field falls back to
-    `question` (GSM8K and most QA sets), and each text prompt is told where the graded answer goes."""
+    """A Hub dataset id, a local dataset folder (as `datasets.load_dataset` reads it) or a `.parquet` file: its test
+    split, or else the last 10% of its train split held out. GSM8K's config `main`, on the Hub or in a folder of its
+    layout (`main/train-00000-of-00001.parquet`), is read as `data_dir`, which needs no README. The prompt field falls
+    back to `question` (GSM8K and most QA sets), and each text prompt is told where the graded answer goes."""
     try:
         import datasets
     except ImportError as e:
-        raise ImportError(f"--task {name}: Hub datasets need `pip install datasets`") from e
-    ds = datasets.load_dataset(name, "main" if name == "openai/gsm8k" else None)
+        raise ImportError(f"--task {name}: Hub datasets and parquet files need `pip install datasets`") from e
+    if name.endswith(".parquet"):
+        if not os.path.isfile(name):
+            raise FileNotFoundError(f"--task {name}: no such file")
+        ds = datasets.load_dataset("parquet", data_files=name)
+    else:
+        main = name == "openai/gsm8k" or os.path.isdir(os.path.join(name, "main"))
+        ds = datasets.load_dataset(name, data_dir="main" if main else None)
     if prompt_field not in ds["train"].column_names and "question" in ds["train"].column_names:
         prompt_field = "question"
     splits = {split: [to_record(row, prompt_field, answer_field, f"--task {name}: {split} record {i}")
@@ -416,14 +430,64 @@ def hub_task(name: str, prompt_field: str, answer_field: str) -> Task:
     return Task(train, test)
 
 
+def reasoning_gym_task(name: str, seed: int = 0) -> Task:
+    """A procedural dataset of reasoning-gym (https://github.com/open-thought/reasoning-gym), generated offline,
+    BUILTIN_SIZES entries: train from `seed`, test from `seed + 5000` (entry i of seed s is drawn from Random(s + i), so
+    seed + 1 would repeat train shifted by one), repeated questions and test questions that train has dropped.
+
+    A record's answer is its entry's index: the correctness reward hands that entry and the completion's stated answer
+    (`\\boxed{}` or `<answer>`) to the dataset's own `score_answer`, which may give partial credit. That checker is
+    reasoning-gym's code: this module's time limits and no-eval guarantee do not cover it."""
+    task = f"--task {REASONING_GYM}{name}"
+    try:
+        import reasoning_gym
+        from reasoning_gym.factory import DATASETS
+    except ImportError as e:
+        raise ImportError(f"{task}: reasoning-gym tasks need `pip install reasoning-gym`") from e
+    if name not in DATASETS:
+        raise ValueError(f"{task}: no such dataset (list them with python -c "
+                         f"'import reasoning_gym.factory as f; print(sorted(f.DATASETS))')")
+    try:
+        generated = [reasoning_gym.create_dataset(name, seed=seed + i * BUILTIN_SIZES[0], size=n)
+                     for i, n in enumerate(BUILTIN_SIZES)]
+    except Exception as e:  # e.g. `composite` needs a config of its own
+        raise ValueError(f"{task}: cannot be generated with its default config ({e!r})") from None
+    entries, splits, seen = [], ([], []), set()
+    for dataset, split in zip(generated, splits):
+        for entry in dataset:
+            if entry["question"] not in seen:
+                seen.add(entry["question"])
+                split.append({"prompt": f"{entry['question']}\n{ANSWER_INSTRUCTION}", "answer": str(len(entries))})
+                entries.append((dataset.score_answer, entry))
+    if not splits[1]:
+        raise ValueError(f"{task}: every held-out question is also a training one")
+
+    def correctness(completions: list[str], answers: list[str]) -> list[float]:
+        scores = []
+        for completion, answer in zip(completions, answers):
+            try:  # a checker may raise on an odd answer; a reward must not
+                score_answer, entry = entries[int(answer)]
+                found = stated_answer(completion)
+                scores.append(float(score_answer(None if found is None else found.strip(), entry)))
+            except Exception:
+                scores.append(0.0)
+        return scores
+
+    return Task(*splits, correctness)
+
+
 def load_task(
     task: str, difficulty: int = 1, prompt_field: str = "prompt", answer_field: str = "answer"
 ) -> Task:
-    """Resolve `--task`: a built-in name, a `.jsonl` path or a Hub dataset id (anything else with a '/')."""
+    """Resolve `--task`: a built-in name, `reasoning_gym:NAME`, a `.jsonl` or `.parquet` path, a dataset folder or a
+    Hub dataset id (anything else with a '/')."""
     if task in BUILTIN_TASKS:
         return builtin_task(task, difficulty)
+    if task.startswith(REASONING_GYM):
+        return reasoning_gym_task(task.removeprefix(REASONING_GYM))
     if task.endswith(".jsonl"):
         return jsonl_task(task, prompt_field, answer_field)
-    if "/" in task:
+    if "/" in task or task.endswith(".parquet") or os.path.isdir(task):
         return hub_task(task, prompt_field, answer_field)
-    raise ValueError(f"--task {task!r}: not one of {BUILTIN_TASKS}, a .jsonl file or a Hub dataset id")
+    raise ValueError(f"--task {task!r}: not one of {BUILTIN_TASKS}, {REASONING_GYM}NAME, a .jsonl or .parquet file, "
+                     "a dataset folder or a Hub dataset id")

@@ -248,7 +248,7 @@ def test_hub_dataset_without_a_test_split_holds_out_part_of_train(monkeypatch):
         column_names = ["question", "answer"]
 
     fake = types.ModuleType("datasets")
-    fake.load_dataset = lambda name, config=None: {"train": Split({"question": f"q{i}", "answer": str(i)}
+    fake.load_dataset = lambda name, data_dir=None: {"train": Split({"question": f"q{i}", "answer": str(i)}
                                                                   for i in range(30))}
     monkeypatch.setitem(sys.modules, "datasets", fake)
     task = rewards.load_task("someone/train-only")
@@ -292,7 +292,7 @@ def test_hub_record_without_a_field_is_named(monkeypatch):
     rows = [{"question": f"q{i}", "answer": str(i)} for i in range(10)]
     del rows[5]["answer"]
     fake = types.ModuleType("datasets")
-    fake.load_dataset = lambda name, config=None: {"train": Split(rows)}
+    fake.load_dataset = lambda name, data_dir=None: {"train": Split(rows)}
     monkeypatch.setitem(sys.modules, "datasets", fake)
     with pytest.raises(ValueError, match="--task someone/gaps: train record 5 has no field 'answer'"):
         rewards.load_task("someone/gaps")

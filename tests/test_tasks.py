@@ -1,0 +1,110 @@
+"""Task sources beyond the built-in ones: a dataset folder in the Hub's layout (GSM8K's), a .parquet file, and
+reasoning-gym's procedural datasets. All offline."""
+import sys
+
+import pytest
+
+import rewards
+
+datasets = pytest.importorskip("datasets")
+pq = pytest.importorskip("pyarrow.parquet")
+pa = pytest.importorskip("pyarrow")
+
+
+@pytest.fixture(autouse=True)
+def datasets_cache(tmp_path, monkeypatch):
+    """datasets writes an Arrow copy of what it loads: into tmp_path, not the user's cache."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+
+
+def write_gsm8k(path, questions: list[str], answers: list[int]):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"question": questions,
+                             "answer": [f"She sold 48 / 2 = <<48/2=24>>24.\n#### {a}" for a in answers]}), path)
+
+
+GSM8K_README = """---
+configs:
+- config_name: main
+  data_files:
+  - split: train
+    path: main/train-*
+  - split: test
+    path: main/test-*
+- config_name: socratic
+  data_files:
+  - split: train
+    path: socratic/train-*
+  - split: test
+    path: socratic/test-*
+---
+"""
+
+
+@pytest.mark.parametrize("readme", [False, True], ids=["parquet-only", "with-the-hubs-readme"])
+def test_gsm8k_in_the_hubs_layout_loads_its_main_config_from_a_local_folder(tmp_path, monkeypatch, readme):
+    """A local copy of openai/gsm8k (its files, with or without the README that names its configs) loads as --task
+    openai/gsm8k does: config `main`, never `socratic`, its test split held out, answers read after '####'."""
+    folder = tmp_path / "gsm8k"
+    write_gsm8k(folder / "main" / "train-00000-of-00001.parquet", [f"main q{i}" for i in range(4)], [72, 10, 5, 1])
+    write_gsm8k(folder / "main" / "test-00000-of-00001.parquet", ["main t0", "main t1"], [8, 9])
+    write_gsm8k(folder / "socratic" / "train-00000-of-00001.parquet", ["socratic q0"], [3])
+    write_gsm8k(folder / "socratic" / "test-00000-of-00001.parquet", ["socratic t0"], [4])
+    if readme:
+        (folder / "README.md").write_text(GSM8K_README)
+    monkeypatch.chdir(tmp_path)
+    for name in [str(folder), "gsm8k"]:  # a relative folder has no '/' and is still a folder
+        task = rewards.load_task(name)
+        assert [r["answer"] for r in task.train] == ["72", "10", "5", "1"]
+        assert [r["answer"] for r in task.test] == ["8", "9"]
+        assert task.train[0]["prompt"] == f"main q0\n{rewards.ANSWER_INSTRUCTION}"
+        assert task.correctness(["so \\boxed{72}", "\\boxed{73}"], ["72", "72"]) == [1.0, 0.0]
+
+
+def test_a_parquet_file_is_a_task_with_the_last_tenth_held_out(tmp_path):
+    path = tmp_path / "data.parquet"
+    write_gsm8k(path, [f"q{i}" for i in range(20)], list(range(20)))
+    task = rewards.load_task(str(path))
+    assert [r["answer"] for r in task.train] == [str(i) for i in range(18)]
+    assert [r["answer"] for r in task.test] == ["18", "19"]
+    assert task.test[0]["prompt"] == f"q18\n{rewards.ANSWER_INSTRUCTION}"
+    with pytest.raises(ValueError, match="train record 0 has no field 'answer_text'"):
+        rewards.load_task(str(path), answer_field="answer_text")
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        rewards.load_task(str(tmp_path / "missing.parquet"))
+
+
+@pytest.mark.parametrize("name", ["chain_sum", "basic_arithmetic"])
+def test_reasoning_gym_splits_are_large_and_do_not_overlap(name):
+    pytest.importorskip("reasoning_gym")
+    task = rewards.load_task(f"reasoning_gym:{name}")
+    train, test = {r["prompt"] for r in task.train}, {r["prompt"] for r in task.test}
+    assert len(train) == len(task.train) > 4500 and len(test) == len(task.test) > 150  # few repeats dropped
+    assert not train & test
+    assert all(r["prompt"].endswith(rewards.ANSWER_INSTRUCTION) for r in task.train + task.test)
+
+
+def test_reasoning_gym_correctness_is_the_datasets_own_check_of_the_stated_answer():
+    """chain_sum's questions ("... problem: 901 + 506 - 566 =") are checked here by rewards.evaluate_expression."""
+    pytest.importorskip("reasoning_gym")
+    task = rewards.load_task("reasoning_gym:chain_sum")
+    for record in task.test[:50]:
+        expression = record["prompt"].split(": ", 1)[1].split("=")[0]
+        right = str(rewards.evaluate_expression(expression)[0])
+        completions = [f"The sum is \\boxed{{{right}}}.", f"<answer> {right} </answer>", f"\\boxed{{{int(right) + 1}}}",
+                       f"it is {right}", "\\boxed{}", ""]  # an unstated answer scores 0, as in reasoning-gym
+        assert task.correctness(completions, [record["answer"]] * len(completions)) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert task.correctness(["\\boxed{1}", "\\boxed{1}"], ["not an index", "99999999"]) == [0.0, 0.0]  # never raises
+
+
+def test_reasoning_gym_errors_are_one_line(monkeypatch):
+    pytest.importorskip("reasoning_gym")
+    with pytest.raises(ValueError, match=r"no such dataset \(list them with .*f\.DATASETS") as error:
+        rewards.load_task("reasoning_gym:no_such_puzzle")
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match="cannot be generated with its default config"):
+        rewards.load_task("reasoning_gym:composite")  # needs a list of datasets
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # as if not installed
+    with pytest.raises(ImportError, match="pip install reasoning-gym") as error:
+        rewards.load_task("reasoning_gym:chain_sum")
+    assert "\n" not in str(error.value)
