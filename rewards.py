@@ -491,3 +491,47 @@ def load_task(
         return hub_task(task, prompt_field, answer_field)
     raise ValueError(f"--task {task!r}: not one of {BUILTIN_TASKS}, {REASONING_GYM}NAME, a .jsonl or .parquet file, "
                      "a dataset folder or a Hub dataset id")
+
+
+def encode_prompts(tokenizer, records: list[dict], max_tokens: int) -> int:
+    """Each record's "prompt_ids", through the chat template when the tokenizer has one, cut to the last `max_tokens`
+    tokens. Returns how many were cut, and says so: a cut is never silent."""
+    cut = 0
+    for record in records:
+        prompt = record["prompt"]
+        if tokenizer.chat_template:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(prompt, add_special_tokens=not tokenizer.chat_template).input_ids  # the template has its own
+        record["prompt_ids"], cut = ids[-max_tokens:], cut + (len(ids) > max_tokens)
+    if cut:
+        print(f"warning: {cut} of {len(records)} prompts are longer than --max-prompt-tokens {max_tokens}; "
+              f"each is cut to its last {max_tokens} tokens")
+    return cut
+
+
+def preflight(completions: list[str], reward: torch.Tensor, truncated: torch.Tensor, group_size: int,
+              max_new_tokens: int, prompts_cut: int, templated: bool) -> list[str]:
+    """A summary of the first sampled batch, printed before the first update, with a warning for each figure that
+    means the run cannot learn, naming the argument to change. Returns the warnings."""
+    n, found = len(completions), sum(extract_answer(c) is not None for c in completions)
+    stated = sum(stated_answer(c) is not None for c in completions)
+    flat = int((reward.view(-1, group_size).std(1) == 0).sum())  # groups whose advantages are all 0
+    best = int(reward.argmax())
+    print(f"preflight, the first batch: {n} completions of {n // group_size} prompts (chat template "
+          f"{'applied' if templated else 'absent: plain text'}; {prompts_cut} prompts cut to --max-prompt-tokens)\n"
+          f"  truncated at --max-new-tokens {max_new_tokens}: {int(truncated.sum())} of {n}\n"
+          f"  an answer the reward can read: {found} of {n} ({stated} in \\boxed{{}} or <answer>)\n"
+          f"  groups with zero reward spread (every advantage 0): {flat} of {n // group_size}\n"
+          f"  e.g. (reward {reward[best]:.2f}): {json.dumps(completions[best])[:300]}")
+    warnings = [message for failing, message in [
+        (truncated.float().mean() > 0.5, "most completions reach the length limit unfinished, and a cut answer "
+         "scores nothing: raise --max-new-tokens"),
+        (found == 0, "no completion holds an answer the reward can read: check --task's prompts and answers, and use "
+         "a chat (instruct) --model" + ("" if templated else " (this tokenizer has no chat template)")),
+        (flat == n // group_size, "every group's completions have the same reward, so every advantage is 0 and "
+         "nothing is learned: raise --group-size or --temperature, or choose an easier --task"),
+    ] if failing]
+    for message in warnings:
+        print(f"warning: {message}")
+    return warnings

@@ -39,24 +39,25 @@ def launch(argv: list[str], cwd, processes: int, **env: str) -> subprocess.Compl
     return result
 
 
-@pytest.mark.parametrize("module, bare_eos", [(m, "0") for m in MODULES] + [(grpo, "1"), (ppo, "1")])
-def test_two_processes_take_the_same_update_as_one(module, bare_eos, tiny_model, copy_task, tmp_path):
+@pytest.mark.parametrize("module, bare_eos, lora", [(m, "0", []) for m in MODULES] + [(grpo, "1", []), (ppo, "1", [])]
+                         + [(m, "0", ["--lora-rank", "2"]) for m in (grpo, ppo)])
+def test_two_processes_take_the_same_update_as_one(module, bare_eos, lora, tiny_model, copy_task, tmp_path):
     """Fixed completions and rewards (tests/fixed_rollouts.py), SGD at lr 0.1, two steps of one update each, KL on
     (beta 0.1, DAPO 0) so the reference model is sharded too: the weights after two steps, and the logged rewards,
     equal one process's. This covers GRPO's and GSPO's sample means, DAPO's token normaliser over both ranks' tokens
     and its filter, and PPO's critic, GAE and advantage whitening over both ranks' tokens. With BARE_EOS, rank 0's
     completions are all one token and rank 1's longer: both must still make the same model calls (each a collective
-    under FSDP2), or they wait for each other forever."""
+    under FSDP2), or they wait for each other forever. With LoRA: the merged models that the last checkpoints hold."""
     argv = [os.path.join(ROOT, "tests", "fixed_rollouts.py"), module.__name__, "--model", tiny_model, "--task",
             copy_task, "--steps", "2", "--eval-every", "0", "--output-dir", "ckpt", "--learning-rate", "0.1",
             "--num-minibatches", "1", "--micro-batch-size", "3", "--beta", "0" if module.__name__ == "dapo" else "0.1",
-            *batch(module)]
+            *batch(module), *lora]
     weights, rewards = [], []
     for processes in (1, 2):
         (tmp_path / str(processes)).mkdir()
         launch(argv, tmp_path / str(processes), processes, BARE_EOS=bare_eos)
         (checkpoint,) = glob.glob(str(tmp_path / str(processes) / "ckpt" / "*" / "step_2"))
-        weights.append(load_file(os.path.join(checkpoint, "model.safetensors")))
+        weights.append(load_file(os.path.join(checkpoint, *(["merged"] if lora else []), "model.safetensors")))
         rewards.append(read_run(str(tmp_path / str(processes)))[0]["charts/reward_mean"])
     initial = load_file(os.path.join(tiny_model, "model.safetensors"))
     assert max((weights[0][k] - initial[k]).abs().max().item() for k in initial) > 1e-3  # it trained

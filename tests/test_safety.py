@@ -38,15 +38,17 @@ def train(module, cwd, argv, monkeypatch) -> None:
     module.main(tyro.cli(module.Args, args=argv))
 
 
+@pytest.mark.parametrize("lora", [[], ["--lora-rank", "2", "--beta", "0.1"]], ids=["full", "lora"])
 @pytest.mark.parametrize("module", MODULES)
-def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(module, tiny_model, copy_task, tmp_path,
+def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(module, lora, tiny_model, copy_task, tmp_path,
                                                                       monkeypatch):
-    """4 steps in one go, against 2 steps resumed from the step-2 checkpoint: weights, optimizer state (and PPO's
-    critic) bit-identical on CPU, and TensorBoard holds each step once, with the same values."""
+    """4 steps in one go, against 2 steps resumed from the step-2 checkpoint: weights (with LoRA: the adapter, and the
+    merged model the last checkpoint holds), optimizer state (and PPO's critic) bit-identical on CPU, and TensorBoard
+    holds each step once, with the same values."""
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     whole.mkdir()
     argv = small_run(module, tiny_model, copy_task, "--steps", "4", "--save-every", "2", "--keep-checkpoints", "0",
-                     "--learning-rate", "1e-3", "--eval-every", "2")
+                     "--learning-rate", "1e-3", "--eval-every", "2", *lora)
     train(module, whole, argv, monkeypatch)
     (run_dir,) = glob.glob(str(whole / "ckpt" / "*"))
     shutil.copytree(whole, resumed)
@@ -54,7 +56,10 @@ def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(module, tin
     train(module, resumed, ["--resume", os.path.join("ckpt", os.path.basename(run_dir), "latest")], monkeypatch)
 
     checkpoints = [os.path.join(root, "ckpt", os.path.basename(run_dir), "step_4") for root in (whole, resumed)]
-    weights = [load_file(os.path.join(c, "model.safetensors")) for c in checkpoints]
+    if lora:
+        adapters = [load_file(os.path.join(c, "adapter_model.safetensors")) for c in checkpoints]
+        assert len(adapters[0]) > 0 and all(torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[0])
+    weights = [load_file(os.path.join(c, *(["merged"] if lora else []), "model.safetensors")) for c in checkpoints]
     initial = load_file(os.path.join(tiny_model, "model.safetensors"))
     assert any(not torch.equal(weights[0][k], initial[k]) for k in initial)  # it trained
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in initial)

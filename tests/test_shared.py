@@ -245,3 +245,28 @@ def test_every_script_shares_compute_policy_loss_signature():
     signatures = {m.__name__: list(inspect.signature(m.compute_policy_loss).parameters) for m in MODULES}
     assert all(s == ["logprobs", "old_logprobs", "ref_logprobs", "advantages", "mask", "args"]
                for s in signatures.values()), signatures
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_lora_trains_only_its_adapters_and_its_reference_is_the_base_model(module, tiny_model):
+    """--lora-rank 2: adapters on every linear layer of the decoder (4 attention + 3 MLP per layer, not the LM head),
+    the only trainable weights; with the adapter off (the reference policy) the log-probs are the base model's; the
+    prompt-sharing forward still equals whole rows."""
+    _, base = module.load_model(tiny_model)
+    model = module.add_lora(module.load_model(tiny_model)[1], module.Args(lora_rank=2), None)
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert len(trainable) == 2 * 7 * base.config.num_hidden_layers and all("lora_" in n for n in trainable)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # peft starts B at 0 (the adapter then changes nothing): move it
+            torch.nn.init.normal_(p, std=0.5)
+    ids = torch.tensor([[5, 6, 7, 11, 12, 13], [5, 6, 7, 14, 15, 0]])
+    attention = (ids > 0).long()
+    with torch.no_grad():
+        adapted = module.token_logprobs(model, ids, attention, 3, 0.7)[0]
+        with module.adapter_off(model):
+            reference = module.token_logprobs(model, ids, attention, 3, 0.7)[0]
+        expected = module.token_logprobs(base, ids, attention, 3, 0.7)[0]
+        whole = torch.log_softmax(model(input_ids=ids, attention_mask=attention).logits[:, 2:5] / 0.7, -1)
+    assert torch.allclose(reference, expected, atol=1e-6) and not torch.allclose(adapted, expected, atol=1e-3)
+    assert torch.allclose(adapted * attention[:, 3:], whole.gather(-1, ids[:, 3:, None]).squeeze(-1) * attention[:, 3:],
+                          atol=1e-5)
