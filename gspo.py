@@ -88,7 +88,7 @@ class Args:
     gradient_checkpointing: bool = False  # recompute activations in the backward pass to save memory
     lora_rank: int = 0  # LoRA (peft) adapters of this rank on every linear layer of the decoder; 0: full fine-tuning
     lora_alpha: float = 32.0  # LoRA's update is scaled by lora_alpha / lora_rank
-    task: str = "arithmetic"  # built-in (arithmetic, countdown), a .jsonl file, or a Hub dataset id (openai/gsm8k)
+    task: str = "arithmetic"  # arithmetic, countdown, reasoning_gym:NAME, .jsonl/.parquet file, data folder, Hub id
     difficulty: int = 1  # of a built-in task: 1 (a + b, numbers 0..20) to 4 ((a op b) op c, numbers 0..99)
     prompt_field: str = "prompt"  # field holding the prompt in a .jsonl or Hub dataset
     answer_field: str = "answer"  # field holding the reference answer in a .jsonl or Hub dataset
@@ -106,6 +106,7 @@ class Args:
     output_dir: str = "checkpoints"  # checkpoints: {output_dir}/{run_name}/step_{N}, save_pretrained folders
     resume: str | None = None  # continue a run from a checkpoint, or from {output_dir}/{run_name}/latest
     log_completions_every: int = 10  # write a few completions with their rewards to TensorBoard every this many steps
+    preflight: bool = False  # only sample and summarise the first batch (printed before every run's first update)
 
 
 # ----------------------------------------------------------------------------- the algorithm
@@ -279,7 +280,7 @@ def main(args: Args) -> None:
     ref_model = model if args.beta > 0 and args.lora_rank else ref_model  # LoRA: the reference is the adapter off
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, fused=True)  # one kernel: 6x faster on CPU
     scheduler = lr_schedule(optimizer, args)
-    encode_prompts(tokenizer, task.train + task.test, args.max_prompt_tokens)  # each record's "prompt_ids"
+    prompts_cut = rewards.encode_prompts(tokenizer, task.train + task.test, args.max_prompt_tokens)  # "prompt_ids"
     run_dir, writer = start_run(args, state, rank, f"on {device} ({dtype})")  # checkpoints, TensorBoard
     start, cursor, accuracy, skipped = restore(state, model, optimizer, scheduler, args, rank, world)
 
@@ -290,7 +291,8 @@ def main(args: Args) -> None:
     with stop_signals(run_dir) as stop:
         while True:
             # evaluate (before the first step too), save, and stop at the last step or after a Ctrl-C or SIGTERM
-            if args.eval_every > 0 and step not in accuracy and (step % args.eval_every == 0 or step == args.steps):
+            evaluating = args.eval_every > 0 and not args.preflight and step not in accuracy
+            if evaluating and (step % args.eval_every == 0 or step == args.steps):
                 with autocast:
                     accuracy[step] = evaluate(model, tokenizer, eval_records, task.correctness, args, writer, step)
             stopping = all_gather(torch.tensor([len(stop)])).sum().item() > 0  # every rank stops after the same step
@@ -310,6 +312,11 @@ def main(args: Args) -> None:
                     score_seconds = next(batches)
             T = completion_mask.shape[1]
             sample_seconds = time.time() - step_start
+            if step == start + 1:  # can this run learn? the first batch, summarised (--preflight: only this)
+                rewards.preflight(completions, reward, truncated, args.group_size, args.max_new_tokens, prompts_cut,
+                                  bool(tokenizer.chat_template))
+                if args.preflight:
+                    break
 
             # 4. group-relative advantages
             advantages = compute_advantages(reward, args.group_size).to(device)  # (B,)
@@ -517,22 +524,6 @@ def load_model(name: str):
     model.generation_config = GenerationConfig(bos_token_id=model.generation_config.bos_token_id, eos_token_id=eos,
                                                pad_token_id=tokenizer.pad_token_id)
     return tokenizer, model.train()  # train mode: HF checkpoints activations (--gradient-checkpointing) only in it
-
-
-def encode_prompts(tokenizer, records: list[dict], max_tokens: int) -> None:
-    """Each record's "prompt_ids", through the chat template when the tokenizer has one, cut to the last `max_tokens`
-    tokens; a cut is reported, never silent."""
-    cut = 0
-    for record in records:
-        prompt = record["prompt"]
-        if tokenizer.chat_template:
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(prompt, add_special_tokens=not tokenizer.chat_template).input_ids  # the template has its own
-        record["prompt_ids"], cut = ids[-max_tokens:], cut + (len(ids) > max_tokens)
-    if cut:
-        print(f"warning: {cut} of {len(records)} prompts are longer than --max-prompt-tokens {max_tokens}; "
-              f"each is cut to its last {max_tokens} tokens")
 
 
 def add_lora(model, args: Args, state: dict | None):

@@ -516,21 +516,22 @@ def preflight(completions: list[str], reward: torch.Tensor, truncated: torch.Ten
     means the run cannot learn, naming the argument to change. Returns the warnings."""
     n, found = len(completions), sum(extract_answer(c) is not None for c in completions)
     stated = sum(stated_answer(c) is not None for c in completions)
-    flat = int((reward.view(-1, group_size).std(1) == 0).sum())  # groups whose advantages are all 0
+    groups = n // group_size  # (one completion a prompt, PPO's: a critic's baseline, no group to compare within)
+    flat = int((reward.view(groups, -1).std(1) == 0).sum()) if group_size > 1 else 0  # groups with all A_i = 0
     best = int(reward.argmax())
-    print(f"preflight, the first batch: {n} completions of {n // group_size} prompts (chat template "
+    print(f"preflight, the first batch: {n} completions of {groups} prompts (chat template "
           f"{'applied' if templated else 'absent: plain text'}; {prompts_cut} prompts cut to --max-prompt-tokens)\n"
           f"  truncated at --max-new-tokens {max_new_tokens}: {int(truncated.sum())} of {n}\n"
           f"  an answer the reward can read: {found} of {n} ({stated} in \\boxed{{}} or <answer>)\n"
-          f"  groups with zero reward spread (every advantage 0): {flat} of {n // group_size}\n"
-          f"  e.g. (reward {reward[best]:.2f}): {json.dumps(completions[best])[:300]}")
+          + (f"  groups with zero reward spread (every advantage 0): {flat} of {groups}\n" if group_size > 1 else "")
+          + f"  e.g. (reward {reward[best]:.2f}): {json.dumps(completions[best])[:300]}")
     warnings = [message for failing, message in [
         (truncated.float().mean() > 0.5, "most completions reach the length limit unfinished, and a cut answer "
          "scores nothing: raise --max-new-tokens"),
         (found == 0, "no completion holds an answer the reward can read: check --task's prompts and answers, and use "
          "a chat (instruct) --model" + ("" if templated else " (this tokenizer has no chat template)")),
-        (flat == n // group_size, "every group's completions have the same reward, so every advantage is 0 and "
-         "nothing is learned: raise --group-size or --temperature, or choose an easier --task"),
+        (group_size > 1 and flat == groups, "every group's completions have the same reward, so every advantage is 0 "
+         "and nothing is learned: raise --group-size or --temperature, or choose an easier --task"),
     ] if failing]
     for message in warnings:
         print(f"warning: {message}")
