@@ -364,8 +364,8 @@ def main(args: Args) -> None:
             T = completion_mask.shape[1]
             sample_seconds = time.time() - step_start
             if step == start + 1:  # can this run learn? the first batch, summarised (--preflight: only this)
-                rewards.preflight(completions, reward, truncated, args.group_size, args.max_new_tokens, prompts_cut,
-                                  bool(tokenizer.chat_template))
+                rewards.preflight(sum(all_gather(completions), []), all_gather(reward), all_gather(truncated), task,
+                                  args.group_size, args.max_new_tokens, prompts_cut, bool(tokenizer.chat_template))
                 if args.preflight:
                     break
 
@@ -457,7 +457,8 @@ def main(args: Args) -> None:
 # ----------------------------------------------------------------------------- plumbing
 # Identical in all four scripts: nothing below is specific to one algorithm.
 STATE_FILE = "training_state.pt"  # beside the weights in every checkpoint folder
-FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, gathered on rank 0's CPU
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)  # whole tensors,
+# gathered on rank 0's CPU; of a LoRA model, only its adapter
 
 
 def completion_outputs(model, input_ids, attention_mask, num_completion_tokens: int):
@@ -539,6 +540,8 @@ def validate(args: Args) -> rewards.Task:
     local = args.model.endswith(".gguf") or args.model.startswith((".", "/", "~"))
     if local and not os.path.exists(os.path.expanduser(args.model)):
         raise SystemExit(f"error: --model {args.model}: no such file or folder")
+    if os.path.isfile(os.path.join(os.path.expanduser(args.model), "adapter_config.json")):
+        raise SystemExit(f"error: --model {args.model}: a LoRA adapter; continue it with --resume, or train merged/")
     try:
         return rewards.load_task(args.task, args.difficulty, args.prompt_field, args.answer_field)
     except (OSError, ValueError, ImportError) as e:
@@ -557,9 +560,8 @@ def load_model(name: str):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     except OSError as e:  # a Hub id that does not exist, or no network: one line instead of a traceback
-        offline = "couldn't connect" in str(e)
-        raise SystemExit(f"error: --model {name}: " + ("not a local file or folder, and the Hugging Face Hub cannot be "
-                         "reached (offline?)" if offline else str(e).splitlines()[0]))
+        offline = "not a local file or folder, and the Hugging Face Hub cannot be reached (offline?)"
+        raise SystemExit(f"error: --model {name}: {offline if 'connect' in str(e) else str(e).splitlines()[0]}")
     config = AutoConfig.from_pretrained(path, **kwargs)
     for key, value in config.to_dict().items():  # no dropout (as in TRL): a sequence's log-probs must not change
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):  # between passes (Llama's attention
@@ -594,7 +596,8 @@ def add_lora(model, args: Args, state: dict | None):
         return model
     if state is not None:
         return peft.PeftModel.from_pretrained(model, args.resume, is_trainable=True)
-    config = peft.LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules="all-linear")
+    config = peft.LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules="all-linear",
+                             task_type="CAUSAL_LM")
     return peft.get_peft_model(model, config)
 
 
@@ -628,9 +631,10 @@ def update(optimizer, finite: bool, in_a_row: int, limit: int, step: int) -> int
 def start_run(args: Args, state: dict | None, rank: int, where: str) -> tuple[str, SummaryWriter | None]:
     """The run's checkpoint folder and, on rank 0, its TensorBoard writer; a new run logs its arguments there and in
     runs/{run_name}/args.json. Every rank takes rank 0's clock for the run's name."""
-    task = os.path.splitext(os.path.basename(args.task))[0] if args.task.endswith(".jsonl") else args.task
+    task = os.path.splitext(os.path.basename(args.task.rstrip("/")))[0] if os.path.exists(args.task) else args.task
     stamp = int(all_gather(torch.tensor([time.time()], dtype=torch.float64))[0])
-    name = state["run_name"] if state else f"{task.replace('/', '_')}__{args.exp_name}__{args.seed}__{stamp}"
+    task = "".join(c if c.isalnum() or c in "-." else "_" for c in task)  # a folder name on any system
+    name = state["run_name"] if state else f"{task}__{args.exp_name}__{args.seed}__{stamp}"
     writer = SummaryWriter(f"runs/{name}", purge_step=state["step"] + 1 if state else None) if rank == 0 else None
     if writer and state is None:
         table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())

@@ -135,12 +135,15 @@ def check_args(args: Args) -> list[tuple[bool, str]]:
 class Critic(torch.nn.Module):
     """PPO's value model: a copy of the policy's transformer without its LM head, and a scalar head on each token."""
 
-    def __init__(self, policy):
+    def __init__(self, policy, state_dict: dict | None = None):
         super().__init__()
-        self.backbone = copy.deepcopy(policy.base_model)  # e.g. LlamaModel inside LlamaForCausalLM
+        self.backbone = copy.deepcopy(policy.base_model)  # LlamaModel of LlamaForCausalLM: main copies it after
+        # enabling gradient checkpointing (so the critic's layers are checkpointed too) and before adding LoRA
         self.head = torch.nn.Linear(policy.config.hidden_size, 1, device=policy.device, dtype=policy.dtype)
         torch.nn.init.zeros_(self.head.weight)  # V = 0 everywhere at the start
         torch.nn.init.zeros_(self.head.bias)
+        if state_dict is not None:  # resuming: the checkpoint's critic
+            self.load_state_dict(state_dict)
 
     def forward(self, input_ids, attention_mask, num_completion_tokens: int):
         """V(s_t) for the state before each of the last `num_completion_tokens` tokens (B, T), like token_logprobs."""
@@ -350,16 +353,13 @@ def main(args: Args) -> None:
     if args.beta > 0 and not args.lora_rank:  # frozen copy of the initial policy in the compute dtype (beta 0: none)
         ref_model = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
         ref_model = shard(ref_model, model._no_split_modules or set(), dtype, device)
-    critic = Critic(model)  # PPO: the value model, initialised from the policy (a full model, LoRA or not)
-    if state is not None:  # PPO
-        critic.load_state_dict(state["critic"])
     if state is not None and not args.lora_rank:  # the checkpoint's weights (a LoRA checkpoint: its adapter)
         model.load_state_dict(AutoModelForCausalLM.from_pretrained(args.resume, dtype=torch.float32).state_dict())
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    critic = shard(Critic(model, state and state["critic"]), model._no_split_modules or set(), dtype, device)  # PPO
     model = shard(add_lora(model, args, state), model._no_split_modules or set(), dtype, device)
     ref_model = model if args.beta > 0 and args.lora_rank else ref_model  # LoRA: the reference is the adapter off
-    critic = shard(critic, model._no_split_modules or set(), dtype, device)  # PPO
     trained = torch.nn.ModuleList([model, critic])  # PPO: what the optimizer updates, for its state dict
     param_groups = [{"params": model.parameters()}, {"params": critic.parameters(), "lr": args.critic_learning_rate}]
     optimizer = torch.optim.AdamW(param_groups, lr=args.learning_rate, fused=True)  # one kernel: 6x faster on CPU
@@ -398,15 +398,14 @@ def main(args: Args) -> None:
             T = completion_mask.shape[1]
             sample_seconds = time.time() - step_start
             if step == start + 1:  # can this run learn? the first batch, summarised (--preflight: only this)
-                rewards.preflight(completions, reward, truncated, args.group_size, args.max_new_tokens, prompts_cut,
-                                  bool(tokenizer.chat_template))
+                rewards.preflight(sum(all_gather(completions), []), all_gather(reward), all_gather(truncated), task,
+                                  args.group_size, args.max_new_tokens, prompts_cut, bool(tokenizer.chat_template))
                 if args.preflight:
                     break
 
             # 4. old log-probs (skipped when pi_old == pi_theta), reference log-probs (only when beta > 0); PPO: values
             logprobs_start = time.time()
-            old_logprobs, ref_logprobs = torch.zeros(B, T, device=device), torch.zeros(B, T, device=device)
-            old_values = torch.zeros(B, T, device=device)  # PPO
+            old_logprobs, ref_logprobs, old_values = (torch.zeros(B, T, device=device) for _ in range(3))  # PPO: values
             with torch.no_grad(), autocast:
                 for mb in micro_batches(torch.arange(B), completion_mask, args.group_size, args.micro_batch_size):
                     if not reuse_logprobs:
@@ -452,8 +451,7 @@ def main(args: Args) -> None:
                     finite = math.isfinite(grad_norm.item()) and all(math.isfinite(s["policy_loss"])
                                                                      for _, s in stats[first:])
                     value_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)  # PPO
-                    finite = finite and math.isfinite(value_grad_norm.item()) and all(  # PPO: the critic's too
-                        math.isfinite(s["value_loss"]) for _, s in stats[first:])
+                    finite = finite and math.isfinite(value_grad_norm.item())  # PPO: a bad value loss shows here
                     skipped_in_a_row = update(optimizer, finite, skipped_in_a_row, args.max_skipped_updates, step)
                     skipped += skipped_in_a_row > 0  # (a skipped update counts one more in a row)
                     stats.append((1.0, {"grad_norm": grad_norm.item(), "value_grad_norm": value_grad_norm.item()}))
@@ -498,7 +496,8 @@ def main(args: Args) -> None:
 # ----------------------------------------------------------------------------- plumbing
 # Identical in all four scripts: nothing below is specific to one algorithm.
 STATE_FILE = "training_state.pt"  # beside the weights in every checkpoint folder
-FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, gathered on rank 0's CPU
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)  # whole tensors,
+# gathered on rank 0's CPU; of a LoRA model, only its adapter
 
 
 def completion_outputs(model, input_ids, attention_mask, num_completion_tokens: int):
@@ -580,6 +579,8 @@ def validate(args: Args) -> rewards.Task:
     local = args.model.endswith(".gguf") or args.model.startswith((".", "/", "~"))
     if local and not os.path.exists(os.path.expanduser(args.model)):
         raise SystemExit(f"error: --model {args.model}: no such file or folder")
+    if os.path.isfile(os.path.join(os.path.expanduser(args.model), "adapter_config.json")):
+        raise SystemExit(f"error: --model {args.model}: a LoRA adapter; continue it with --resume, or train merged/")
     try:
         return rewards.load_task(args.task, args.difficulty, args.prompt_field, args.answer_field)
     except (OSError, ValueError, ImportError) as e:
@@ -598,9 +599,8 @@ def load_model(name: str):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     except OSError as e:  # a Hub id that does not exist, or no network: one line instead of a traceback
-        offline = "couldn't connect" in str(e)
-        raise SystemExit(f"error: --model {name}: " + ("not a local file or folder, and the Hugging Face Hub cannot be "
-                         "reached (offline?)" if offline else str(e).splitlines()[0]))
+        offline = "not a local file or folder, and the Hugging Face Hub cannot be reached (offline?)"
+        raise SystemExit(f"error: --model {name}: {offline if 'connect' in str(e) else str(e).splitlines()[0]}")
     config = AutoConfig.from_pretrained(path, **kwargs)
     for key, value in config.to_dict().items():  # no dropout (as in TRL): a sequence's log-probs must not change
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):  # between passes (Llama's attention
@@ -635,7 +635,8 @@ def add_lora(model, args: Args, state: dict | None):
         return model
     if state is not None:
         return peft.PeftModel.from_pretrained(model, args.resume, is_trainable=True)
-    config = peft.LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules="all-linear")
+    config = peft.LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules="all-linear",
+                             task_type="CAUSAL_LM")
     return peft.get_peft_model(model, config)
 
 
@@ -669,9 +670,10 @@ def update(optimizer, finite: bool, in_a_row: int, limit: int, step: int) -> int
 def start_run(args: Args, state: dict | None, rank: int, where: str) -> tuple[str, SummaryWriter | None]:
     """The run's checkpoint folder and, on rank 0, its TensorBoard writer; a new run logs its arguments there and in
     runs/{run_name}/args.json. Every rank takes rank 0's clock for the run's name."""
-    task = os.path.splitext(os.path.basename(args.task))[0] if args.task.endswith(".jsonl") else args.task
+    task = os.path.splitext(os.path.basename(args.task.rstrip("/")))[0] if os.path.exists(args.task) else args.task
     stamp = int(all_gather(torch.tensor([time.time()], dtype=torch.float64))[0])
-    name = state["run_name"] if state else f"{task.replace('/', '_')}__{args.exp_name}__{args.seed}__{stamp}"
+    task = "".join(c if c.isalnum() or c in "-." else "_" for c in task)  # a folder name on any system
+    name = state["run_name"] if state else f"{task}__{args.exp_name}__{args.seed}__{stamp}"
     writer = SummaryWriter(f"runs/{name}", purge_step=state["step"] + 1 if state else None) if rank == 0 else None
     if writer and state is None:
         table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())

@@ -289,6 +289,7 @@ class Task:
     train: list[dict]  # {"prompt": str | list[dict], "answer": str}
     test: list[dict]
     correctness: RewardFunc = correctness_reward  # the task's checker; evaluation reports its mean
+    reads: Callable[[str], str | None] = extract_answer  # the answer that checker reads in a completion (or None)
 
     @property
     def reward_funcs(self) -> dict[str, RewardFunc]:
@@ -362,7 +363,8 @@ def builtin_task(name: str, difficulty: int, seed: int = 0) -> Task:
         if len(records) == sum(BUILTIN_SIZES):
             break
     n_test = min(BUILTIN_SIZES[1], len(records) // 4)  # a quarter, at most 200: 110 of difficulty 1's 441
-    return Task(records[n_test:], records[:n_test], countdown_reward if name == "countdown" else correctness_reward)
+    countdown = name == "countdown"  # its checker reads only a stated answer, never the last number
+    return Task(records[n_test:], records[:n_test], *((countdown_reward, stated_answer) if countdown else ()))
 
 
 def to_record(row, prompt_field: str, answer_field: str, where: str) -> dict:
@@ -411,19 +413,24 @@ def hub_task(name: str, prompt_field: str, answer_field: str) -> Task:
         import datasets
     except ImportError as e:
         raise ImportError(f"--task {name}: Hub datasets and parquet files need `pip install datasets`") from e
-    if name.endswith(".parquet"):
-        if not os.path.isfile(name):
-            raise FileNotFoundError(f"--task {name}: no such file")
-        ds = datasets.load_dataset("parquet", data_files=name)
-    else:
-        main = name == "openai/gsm8k" or os.path.isdir(os.path.join(name, "main"))
-        ds = datasets.load_dataset(name, data_dir="main" if main else None)
+    if name.endswith(".parquet") and not os.path.isfile(name):
+        raise FileNotFoundError(f"--task {name}: no such file")
+    main = name == "openai/gsm8k" or os.path.isdir(os.path.join(name, "main"))
+    try:
+        ds = (datasets.load_dataset("parquet", data_files=name) if name.endswith(".parquet")
+              else datasets.load_dataset(name, data_dir="main" if main else None))
+    except Exception as e:  # an unreadable file or folder, no network, ...: one line
+        raise ValueError(f"--task {name}: {type(e).__name__}: {str(e).strip().partition(chr(10))[0]}") from None
+    if "train" not in ds:
+        raise ValueError(f"--task {name}: no train split (it has {sorted(ds)})")
     if prompt_field not in ds["train"].column_names and "question" in ds["train"].column_names:
         prompt_field = "question"
     splits = {split: [to_record(row, prompt_field, answer_field, f"--task {name}: {split} record {i}")
                       for i, row in enumerate(ds[split])] for split in ("train", "test") if split in ds}
     # no test split: hold out the end of train, never evaluate on what is trained on
     train, test = (splits["train"], splits["test"]) if "test" in splits else hold_out(splits["train"])
+    if not train or not test:
+        raise ValueError(f"--task {name}: needs records to train on and to hold out; found {len(train)}, {len(test)}")
     for record in train + test:
         if isinstance(record["prompt"], str):
             record["prompt"] = f"{record['prompt']}\n{ANSWER_INSTRUCTION}"
@@ -473,7 +480,7 @@ def reasoning_gym_task(name: str, seed: int = 0) -> Task:
                 scores.append(0.0)
         return scores
 
-    return Task(*splits, correctness)
+    return Task(*splits, correctness, stated_answer)
 
 
 def load_task(
@@ -499,6 +506,9 @@ def encode_prompts(tokenizer, records: list[dict], max_tokens: int) -> int:
     cut = 0
     for record in records:
         prompt = record["prompt"]
+        if not tokenizer.chat_template and not isinstance(prompt, str):
+            raise SystemExit("error: --task: prompts given as chat messages need a --model whose tokenizer has a chat "
+                             "template")
         if tokenizer.chat_template:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -510,11 +520,11 @@ def encode_prompts(tokenizer, records: list[dict], max_tokens: int) -> int:
     return cut
 
 
-def preflight(completions: list[str], reward: torch.Tensor, truncated: torch.Tensor, group_size: int,
+def preflight(completions: list[str], reward: torch.Tensor, truncated: torch.Tensor, task: Task, group_size: int,
               max_new_tokens: int, prompts_cut: int, templated: bool) -> list[str]:
     """A summary of the first sampled batch, printed before the first update, with a warning for each figure that
     means the run cannot learn, naming the argument to change. Returns the warnings."""
-    n, found = len(completions), sum(extract_answer(c) is not None for c in completions)
+    n, found = len(completions), sum(task.reads(c) is not None for c in completions)
     stated = sum(stated_answer(c) is not None for c in completions)
     groups = n // group_size  # (one completion a prompt, PPO's: a critic's baseline, no group to compare within)
     flat = int((reward.view(groups, -1).std(1) == 0).sum()) if group_size > 1 else 0  # groups with all A_i = 0

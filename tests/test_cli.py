@@ -30,9 +30,11 @@ SHARED_BAD_INPUTS = [
     (["--task", "no_answer.jsonl"], "no_answer.jsonl: line 3 has no field 'answer'"),
     (["--model", "no-such-org/no-such-model"], "Hugging Face Hub cannot be reached (offline?)"),
     (["--resume", "nowhere"], "no complete checkpoint"), (["--learning-rate", "-1"], "--learning-rate"),
-    (["--max-grad-norm", "0"], "--max-grad-norm"), (["--top-p", "1.5"], "--top-p")]
+    (["--max-grad-norm", "0"], "--max-grad-norm"), (["--top-p", "1.5"], "--top-p"),
+    (["--model", "./adapter"], "a LoRA adapter; continue it with --resume, or train merged/")]
 BAD_FILES = {"empty.jsonl": "", "broken.jsonl": '{"prompt": "1", "answer": "1"}\n{"prompt": "2", "answer"\n',
-             "no_answer.jsonl": '{"prompt": "1", "answer": "1"}\n\n{"prompt": "2"}\n'}
+             "no_answer.jsonl": '{"prompt": "1", "answer": "1"}\n\n{"prompt": "2"}\n',
+             "adapter/adapter_config.json": "{}"}
 OWN_BAD_INPUTS = [
     (grpo, ["--group-size", "1"], "--group-size"), (gspo, ["--group-size", "1"], "--group-size"),
     (dapo, ["--group-size", "1"], "--group-size"), (ppo, ["--group-size", "0"], "--group-size"),
@@ -51,6 +53,7 @@ BAD_INPUTS = [pytest.param(m, a, text, marks=() if m is grpo else pytest.mark.sl
 @pytest.mark.parametrize("module, argv, message", BAD_INPUTS)
 def test_bad_input_fails_in_one_line_before_loading_a_model(module, argv, message, tmp_path, monkeypatch):
     for name, text in BAD_FILES.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(text)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network here either way; offline mode fails without retrying
     result = run_script(module, *argv, cwd=str(tmp_path))

@@ -14,8 +14,8 @@ import rewards
 GOOD = ["\\boxed{3}", "\\boxed{4}", "so 3", "\\boxed{5}"]  # two groups of two: one with a spread, one without
 
 
-def preflight(completions, reward, truncated, group_size=2):
-    return rewards.preflight(completions, torch.tensor(reward), torch.tensor(truncated), group_size, 48, 0, True)
+def preflight(completions, reward, truncated, group_size=2, task=rewards.Task([], [])):
+    return rewards.preflight(completions, torch.tensor(reward), torch.tensor(truncated), task, group_size, 48, 0, True)
 
 
 def test_a_batch_that_can_learn_gets_no_warning(capsys):
@@ -36,6 +36,14 @@ def test_a_batch_that_can_learn_gets_no_warning(capsys):
 def test_a_batch_that_cannot_learn_warns_naming_the_argument_to_change(completions, reward, truncated, argument):
     (warning,) = preflight(completions, reward, truncated)
     assert argument in warning
+
+
+def test_answers_are_counted_as_the_tasks_checker_reads_them(capsys):
+    """Countdown's and reasoning-gym's checkers read only a stated answer, never the last number."""
+    countdown = rewards.load_task("countdown")
+    (warning,) = preflight(["so 3", "then 4", "5", "6"], [0.0, 0.0, 0.0, 0.1], [False] * 4, task=countdown)
+    assert "--task" in warning and "an answer the reward can read: 0 of 4" in capsys.readouterr().out
+    assert preflight(["so 3", "then 4", "5", "<answer>6</answer>"], [0.0, 0.0, 0.0, 0.1], [False] * 4) == []
 
 
 def test_one_completion_a_prompt_has_no_groups_to_judge(capsys):

@@ -270,3 +270,14 @@ def test_lora_trains_only_its_adapters_and_its_reference_is_the_base_model(modul
     assert torch.allclose(reference, expected, atol=1e-6) and not torch.allclose(adapted, expected, atol=1e-3)
     assert torch.allclose(adapted * attention[:, 3:], whole.gather(-1, ids[:, 3:, None]).squeeze(-1) * attention[:, 3:],
                           atol=1e-5)
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_run_names_are_folder_names_on_any_system(module, tmp_path, monkeypatch):
+    """The task in a run's name: a file or folder by its base name, and no ':' or '/' (a drive or host separator)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "two_rows.parquet").write_text("")
+    for task, name in [("reasoning_gym:chain_sum", "reasoning_gym_chain_sum"), ("./two_rows.parquet", "two_rows"),
+                       ("openai/gsm8k", "openai_gsm8k")]:
+        run_dir, writer = module.start_run(module.Args(task=task, exp_name="x", seed=3), None, 1, "")  # rank 1: no file
+        assert os.path.basename(run_dir).startswith(f"{name}__x__3__") and writer is None

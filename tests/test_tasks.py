@@ -108,3 +108,15 @@ def test_reasoning_gym_errors_are_one_line(monkeypatch):
     with pytest.raises(ImportError, match="pip install reasoning-gym") as error:
         rewards.load_task("reasoning_gym:chain_sum")
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("file, rows, message", [
+    ("one.parquet", 1, "needs records to train on and to hold out; found 0, 1"),
+    ("none.parquet", 0, "none.parquet: "),
+    ("data/test-00000-of-00001.parquet", 2, "no train split (it has ['test'])"),
+], ids=["one-row", "no-rows", "test-split-only"])
+def test_a_dataset_that_cannot_make_a_task_is_a_one_line_error(tmp_path, file, rows, message):
+    write_gsm8k(tmp_path / file, [f"q{i}" for i in range(rows)], list(range(rows)))
+    with pytest.raises(ValueError) as error:  # a .parquet file, or the folder of a split's file
+        rewards.load_task(str(tmp_path / file) if "/" not in file else str(tmp_path))
+    assert message in str(error.value) and "\n" not in str(error.value)
