@@ -457,8 +457,8 @@ def main(args: Args) -> None:
 # ----------------------------------------------------------------------------- plumbing
 # Identical in all four scripts: nothing below is specific to one algorithm.
 STATE_FILE = "training_state.pt"  # beside the weights in every checkpoint folder
-FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)  # whole tensors,
-# gathered on rank 0's CPU; of a LoRA model, only its adapter
+# whole tensors, gathered on rank 0's CPU; of a LoRA model only the adapter (the base is frozen)
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
 
 
 def completion_outputs(model, input_ids, attention_mask, num_completion_tokens: int):

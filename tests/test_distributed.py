@@ -118,10 +118,10 @@ def test_after_set_up_each_process_holds_its_share_of_the_weights(module, tiny_m
     ranks = []
     for rank in (0, 1):
         with open(tmp_path / f"shards.{rank}.json") as f:
-            ranks.append(json.load(f))  # reference, policy (, critic): in the order main shards them
+            ranks.append(json.load(f))  # reference, (PPO's critic,) policy: in the order main shards them
     for records in ranks:
         assert len(records) == 2 + (module is ppo) and all(r["loaded_on"] == "cpu" for r in records)
-        assert records[0]["full"] == records[1]["full"] // 2  # the reference in bf16, the policy in float32
+        assert records[0]["full"] == records[-1]["full"] // 2  # the reference in bf16, the policy in float32
         for r in records:  # a shard is half of each parameter's rows, the first rank taking the odd one
             assert 0.45 * r["full"] <= r["local"] <= 0.55 * r["full"], r
     for first, second in zip(*ranks):
