@@ -51,7 +51,11 @@ def test_one_completion_a_prompt_has_no_groups_to_judge(capsys):
     assert "zero reward spread" not in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("module", MODULES)
+# the code is identical in the four scripts: the default run checks grpo.py, the slow run the other three
+FIRST_FAST = [pytest.param(m, marks=[] if m is MODULES[0] else [pytest.mark.slow]) for m in MODULES]
+
+
+@pytest.mark.parametrize("module", FIRST_FAST)
 def test_a_run_whose_completions_are_all_truncated_warns_and_preflight_stops_before_training(module, tiny_model,
                                                                                             copy_task, tmp_path):
     """The tiny model never ends within one token: every completion is truncated. --preflight samples the first batch,
