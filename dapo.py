@@ -635,7 +635,8 @@ def start_run(args: Args, state: dict | None, rank: int, where: str) -> tuple[st
     stamp = int(all_gather(torch.tensor([time.time()], dtype=torch.float64))[0])
     task = "".join(c if c.isalnum() or c in "-." else "_" for c in task)  # a folder name on any system
     name = state["run_name"] if state else f"{task}__{args.exp_name}__{args.seed}__{stamp}"
-    writer = SummaryWriter(f"runs/{name}", purge_step=state["step"] + 1 if state else None) if rank == 0 else None
+    logs = rank == 0 and not args.preflight  # (--preflight: nothing written)
+    writer = SummaryWriter(f"runs/{name}", purge_step=state["step"] + 1 if state else None) if logs else None
     if writer and state is None:
         table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)

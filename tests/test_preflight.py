@@ -59,7 +59,7 @@ FIRST_FAST = [pytest.param(m, marks=[] if m is MODULES[0] else [pytest.mark.slow
 def test_a_run_whose_completions_are_all_truncated_warns_and_preflight_stops_before_training(module, tiny_model,
                                                                                             copy_task, tmp_path):
     """The tiny model never ends within one token: every completion is truncated. --preflight samples the first batch,
-    prints the summary and the warning, and exits without evaluating, training or saving."""
+    prints the summary and the warning, and exits without evaluating, training, saving or logging."""
     result = run_script(module, "--model", tiny_model, "--task", copy_task, "--preflight", "--max-new-tokens", "1",
                         "--num-prompts", "2", "--group-size", "2", "--output-dir", "ckpt",
                         *OWN_ARGS.get(module.__name__, []), cwd=str(tmp_path))
@@ -67,7 +67,7 @@ def test_a_run_whose_completions_are_all_truncated_warns_and_preflight_stops_bef
     assert re.search(r"truncated at --max-new-tokens 1: (\d+) of \1\n", result.stdout)  # (DAPO: over its rounds)
     assert "warning: most completions reach the length limit unfinished" in result.stdout
     assert "held-out greedy accuracy" not in result.stdout and "step 1: reward" not in result.stdout
-    assert not os.path.exists(tmp_path / "ckpt")
+    assert not os.path.exists(tmp_path / "ckpt") and not os.path.exists(tmp_path / "runs")
 
 
 @pytest.mark.slow
