@@ -1,0 +1,241 @@
+"""The article's claims about training, measured: one command per claim. Each runs the scripts as a user does (several
+seeds, two runs at a time on a CPU), then writes a figure, docs/claims/{claim}.png, and a table into docs/claims.md
+between that claim's markers, with the date, the machine, the commands and the seeds.
+
+    python experiments/claims.py clip-higher        # 1. DAPO's clip-higher against a symmetric clip: entropy, clipping
+    python experiments/claims.py token-level-loss   # 2. GRPO's per-completion average against DAPO's token mean
+    python experiments/claims.py dynamic-sampling   # 3. DAPO with and without dynamic sampling: flat groups, cost
+    python experiments/claims.py moe                # 4. GRPO against GSPO, on a sparse-upcycled MoE and dense
+    python experiments/claims.py critic             # 5. PPO against GRPO: memory, time, accuracy (benchmark's report)
+    python experiments/claims.py moe --seeds 1 --report-only   # redraw from the runs already in experiments/runs
+
+A run that finished (its log ends with the held-out summary) is not run again, so a variant shared by two claims runs
+once. Runs go through experiments/track.py (the script unchanged) where a claim needs what the logs do not hold.
+"""
+
+import glob
+import json
+import os
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Literal
+
+import tyro
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MOE = "{moe}"  # the preset's model, sparse-upcycled by experiments/moe.py into this folder under experiments/models
+SHORT = ["--steps", "10"]  # claims 1-4 on the CPU: 10 steps (evaluations at 0, 5 and 10); claim 5 the default 20
+# label: (script, its arguments, through track.py); the rest of each script's arguments are its defaults
+VARIANTS = {
+    "dapo": ("dapo", SHORT, False),
+    "dapo-symmetric": ("dapo", [*SHORT, "--clip-eps-high", "0.2"], False),
+    "dapo-no-dynamic-sampling": ("dapo", [*SHORT, "--no-dynamic-sampling"], False),
+    # GRPO's loss and DAPO's differ, with these arguments, only in the averaging (tests/test_relations.py)
+    "grpo-beta0": ("grpo", [*SHORT, "--beta", "0"], True),
+    "dapo-as-grpo": ("dapo", [*SHORT, "--clip-eps-high", "0.2", "--no-dynamic-sampling", "--overlong-penalty", "0"],
+                     True),
+    "gspo": ("gspo", [*SHORT, "--num-prompts", "4"], True),  # 16 completions a step, as GRPO's
+    "moe-grpo-beta0": ("grpo", [*SHORT, "--beta", "0", "--model", MOE], True),
+    "moe-gspo": ("gspo", [*SHORT, "--num-prompts", "4", "--model", MOE], True),
+    "grpo": ("grpo", [], False),
+    "ppo": ("ppo", [], False),
+}
+# claim: (its variants, its panels: (metric, title); track.py's metrics have no "/")
+CLAIMS = {
+    "clip-higher": (["dapo", "dapo-symmetric"], [
+        ("losses/entropy", "entropy (nats per token)"), ("losses/clip_fraction_high", "clipped above 1 + eps_high"),
+        ("losses/clip_fraction_low", "clipped below 1 - eps_low"), ("charts/eval_accuracy", "held-out accuracy")]),
+    "token-level-loss": (["grpo-beta0", "dapo-as-grpo"], [
+        ("length_correct", "length of correct completions"), ("length_wrong", "length of wrong completions"),
+        ("charts/truncated_fraction", "truncated fraction"), ("charts/eval_accuracy", "held-out accuracy")]),
+    "dynamic-sampling": (["dapo", "dapo-no-dynamic-sampling"], [
+        ("charts/zero_std_fraction", "sampled groups with zero reward spread"),
+        ("informative_groups", "groups with reward spread trained on"), ("charts/sampling_rounds", "sampling rounds"),
+        ("charts/time_sample", "sampling seconds"), ("charts/eval_accuracy", "held-out accuracy")]),
+    "moe": (["moe-grpo-beta0", "moe-gspo", "grpo-beta0", "gspo"], [
+        ("experts_changed", "tokens whose experts changed in a step"),
+        ("losses/token_log_ratio_std", "token log-ratio std"), ("losses/seq_log_ratio_std", "sequence log-ratio std"),
+        ("losses/clip_fraction", "clip fraction"), ("charts/eval_accuracy", "held-out accuracy")]),
+    "critic": (["grpo", "ppo"], []),  # the table is benchmark/benchmark.py's, on these runs
+}
+PRESETS = {"cpu": [], "gpu": ["--model", "HuggingFaceTB/SmolLM2-1.7B-Instruct", "--difficulty", "2", "--max-new-tokens",
+                              "128", "--eval-prompts", "256", "--micro-batch-size", "16"]}
+MOE_FOLDERS = {"cpu": "smollm2-moe", "gpu": "smollm2-1.7b-moe"}
+
+
+@dataclass
+class Args:
+    claim: tyro.conf.Positional[Literal["clip-higher", "token-level-loss", "dynamic-sampling", "moe", "critic", "all"]]
+    seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
+    preset: Literal["cpu", "gpu"] = "cpu"  # gpu: SmolLM2-1.7B-Instruct, harder sums, longer completions, one at a time
+    out: str = os.path.join(ROOT, "experiments", "runs")  # one folder per run: {out}/{label}_s{seed}
+    report_only: bool = False  # run nothing: write the figures and tables from the runs in --out
+
+
+def command(label: str, seed: int, preset: str) -> list[str]:
+    script, extra, tracked = VARIANTS[label]
+    entry = [os.path.join(ROOT, "experiments", "track.py"), script] if tracked else [os.path.join(ROOT, f"{script}.py")]
+    moe = os.path.join(ROOT, "experiments", "models", MOE_FOLDERS[preset])
+    return [sys.executable, *entry, "--seed", str(seed), *PRESETS[preset], *[moe if a == MOE else a for a in extra]]
+
+
+def finished(folder: str) -> bool:
+    log = os.path.join(folder, "log.txt")
+    return os.path.isfile(log) and "held-out greedy accuracy:" in open(log).read()
+
+
+def run_all(labels: list[str], args: Args) -> None:
+    """Every (variant, seed) not yet finished in its own folder (log.txt: the command, then its output)."""
+    def run(job):
+        label, seed = job
+        folder = os.path.join(args.out, f"{label}_s{seed}")
+        os.makedirs(folder, exist_ok=True)
+        argv = command(label, seed, args.preset)
+        for stale in glob.glob(os.path.join(folder, "runs", "*")) + glob.glob(os.path.join(folder, "track.jsonl")):
+            subprocess.run(["rm", "-rf", stale])  # an unfinished earlier attempt
+        start = time.time()
+        with open(os.path.join(folder, "log.txt"), "w") as log:
+            log.write(shlex.join(argv[1:]).replace(ROOT + "/", "") + "\n")
+            log.flush()
+            env = {**os.environ, "OMP_NUM_THREADS": "1"} if args.preset == "cpu" else dict(os.environ)
+            code = subprocess.run(argv, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        print(f"{label} seed {seed}: exit {code} after {(time.time() - start) / 60:.1f} min", flush=True)
+
+    moe = os.path.join(ROOT, "experiments", "models", MOE_FOLDERS[args.preset])
+    if any(MOE in VARIANTS[label][1] for label in labels) and not os.path.isdir(moe):  # the preset's model, upcycled
+        subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "moe.py"), "--out", moe,
+                        *PRESETS[args.preset][:2]], check=True)
+    jobs = [(label, seed) for seed in args.seeds for label in labels
+            if not finished(os.path.join(args.out, f"{label}_s{seed}"))]
+    with ThreadPoolExecutor(2 if args.preset == "cpu" else 1) as pool:
+        list(pool.map(run, jobs))
+
+
+def read(folder: str) -> dict[str, dict[int, float]]:
+    """A run's metrics by step: its TensorBoard scalars, track.py's records (lists averaged; a record per sampled
+    batch, one per step where nothing is resampled) and the groups with reward spread it trained on."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (log,) = glob.glob(os.path.join(folder, "runs", "*"))
+    events = EventAccumulator(log, size_guidance={"scalars": 0})
+    events.Reload()
+    metrics = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+    with open(os.path.join(log, "args.json")) as f:
+        prompts = json.load(f)["num_prompts"]
+    spread = {s: prompts * (1 - v) for s, v in metrics["charts/zero_std_fraction"].items()}
+    metrics["informative_groups"] = metrics.get("charts/kept_groups", spread)  # DAPO's kept groups all have spread
+    track = os.path.join(folder, "track.jsonl")
+    for record in map(json.loads, open(track) if os.path.isfile(track) else []):
+        for key, value in record.items():
+            if key != "batch" and not key.endswith("per_layer") and (value or value == 0):
+                mean = statistics.mean(value) if isinstance(value, list) else value
+                metrics.setdefault(key, {})[record["batch"]] = mean
+    return metrics
+
+
+def window(metric: dict[int, float], first: bool, n: int = 3) -> float | None:
+    steps = sorted(s for s in metric if s > 0)
+    picked = steps[:n] if first else steps[-n:]
+    return statistics.mean(metric[s] for s in picked) if picked else None
+
+
+def commands(labels: list[str], args: Args) -> list[str]:
+    lines = [f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()}-core CPU ({args.preset} preset), seeds "
+             f"{' '.join(map(str, args.seeds))}; each run alone in its folder (two at a time, one thread each):", ""]
+    return lines + [f"- `{label}`: `python {shlex.join(command(label, 1, args.preset)[1:]).replace(ROOT + '/', '')}`"
+                    .replace("--seed 1", "--seed N") for label in labels]
+
+
+def report(claim: str, args: Args) -> str:
+    labels, panels = CLAIMS[claim]
+    runs = {label: {seed: read(os.path.join(args.out, f"{label}_s{seed}")) for seed in args.seeds} for label in labels}
+    lines = commands(labels, args)
+    header = " | ".join(title + (", steps 1-3 -> last 3" if metric != "charts/eval_accuracy" else "")
+                        for metric, title in panels)
+    lines += ["", f"| variant | held-out accuracy: step 0 -> last, per seed | mean change | {header} |",
+              "|" + "---|" * (3 + len(panels))]
+    for label in labels:
+        accuracy = [runs[label][seed]["charts/eval_accuracy"] for seed in args.seeds]
+        per_seed = ", ".join(f"{a[0]:.3f} -> {a[max(a)]:.3f}" for a in accuracy)
+        change = statistics.mean(a[max(a)] - a[0] for a in accuracy)
+        cells = []
+        for metric, _ in panels[:-1] if panels[-1][0] == "charts/eval_accuracy" else panels:
+            curves = [runs[label][seed].get(metric, {}) for seed in args.seeds]
+            ends = [[window(curve, first) for curve in curves] for first in (True, False)]
+            cells.append(" -> ".join("-" if None in e else f"{statistics.mean(e):.3g}" for e in ends))
+        lines.append(f"| `{label}` | {per_seed} | {change:+.3f} | {' | '.join(cells)} |")
+    figure(runs, panels, os.path.join(ROOT, "docs", "claims", f"{claim}.png"))
+    lines += ["", f"Means over the seeds. ![{claim}](claims/{claim}.png)"]
+    return "\n".join(lines)
+
+
+def figure(runs: dict, panels: list, path: str) -> None:
+    """One panel per metric, step on x; a thin line per seed and a thick line for the mean over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    for ax, (metric, title) in zip(axes[0], panels):
+        for i, (label, seeds) in enumerate(runs.items()):
+            curves = [seeds[s].get(metric, {}) for s in seeds]
+            for curve in curves:
+                ax.plot(sorted(curve), [curve[s] for s in sorted(curve)], color=f"C{i}", alpha=0.3, linewidth=0.8)
+            steps = sorted(set.intersection(*(set(c) for c in curves))) if all(curves) else []
+            ax.plot(steps, [statistics.mean(c[s] for c in curves) for s in steps], color=f"C{i}", linewidth=2,
+                    label=label, marker="." if "eval" in metric else None)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=70)
+    plt.close(fig)
+
+
+def write_section(claim: str, text: str) -> None:
+    """Replace the text between the claim's markers in docs/claims.md (appended there at the first report)."""
+    path = os.path.join(ROOT, "docs", "claims.md")
+    doc = open(path).read()
+    begin, end = f"<!-- {claim}: written by experiments/claims.py -->", f"<!-- end {claim} -->"
+    if begin not in doc:
+        doc = doc.rstrip("\n") + f"\n\n{begin}\n{end}\n"
+    doc = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: f"{begin}\n{text}\n{end}", doc, flags=re.S)
+    with open(path, "w") as f:
+        f.write(doc)
+
+
+def main(args: Args) -> None:
+    claims = list(CLAIMS) if args.claim == "all" else [args.claim]
+    if not args.report_only:
+        run_all(list(dict.fromkeys(label for claim in claims for label in CLAIMS[claim][0])), args)
+    for claim in claims:
+        if claim == "critic":  # benchmark/benchmark.py's quality and speed tables, on the grpo and ppo runs
+            out = os.path.join(args.out, "critic")
+            for label in CLAIMS[claim][0]:  # the benchmark reads {script}_s{seed} folders
+                for seed in args.seeds:
+                    link = os.path.join(out, f"{label}_s{seed}")
+                    if not os.path.exists(link):
+                        os.makedirs(out, exist_ok=True)
+                        os.symlink(os.path.join(args.out, f"{label}_s{seed}"), link)
+            subprocess.run([sys.executable, os.path.join(ROOT, "benchmark", "benchmark.py"), "--report-only",
+                            "--out", out, "--preset", args.preset], check=True, stdout=subprocess.DEVNULL)
+            table = open(os.path.join(out, "table.md")).read().split("\n", 2)[2].replace("## ", "#### ")
+            shutil.copy(os.path.join(out, "figure.png"), os.path.join(ROOT, "docs", "claims", "critic.png"))
+            text = "\n".join(commands(CLAIMS[claim][0], args)) + "\n\n" + table + "\n![critic](claims/critic.png)"
+        else:
+            text = report(claim, args)
+        write_section(claim, text)
+        print(f"docs/claims.md: {claim} written")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

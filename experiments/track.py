@@ -1,0 +1,74 @@
+"""Run one of the four scripts unchanged and record, per sampled batch, what its TensorBoard logs do not hold:
+
+  - the lengths of the completions that were scored correct and of those that were not (claim 2);
+  - for a mixture-of-experts model, the fraction of completion tokens whose chosen experts change between the old
+    policy (the weights that sampled the batch) and the new one (after the step's updates), per layer (claim 4).
+
+    python experiments/track.py grpo --model experiments/models/smollm2-moe --beta 0   # any arguments of the script
+
+It wraps the script's `rollouts` generator. `main` draws a batch at the start of each step, while the model holds that
+step's old weights, and the next one after the step's updates; so the routing of a batch is read once when it is drawn
+and once when the next is, and compared. Routing is read with one plain forward pass (positions from the attention
+mask, as in generation), the same way both times. One line per batch goes to track.jsonl in the working directory,
+beside the script's runs/ (DAPO's rounds are batches too; the routing is compared only for GRPO and GSPO here).
+"""
+
+import importlib.util
+import json
+import os
+import sys
+
+import torch
+import tyro
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@torch.no_grad()
+def expert_choices(model, input_ids, attention_mask, completion_mask) -> torch.Tensor | None:
+    """The experts each completion token is routed to, in every MoE layer: (layers, tokens, top_k), sorted; None for a
+    dense model. Reads the top-k indices Mixtral-type routers return."""
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    if not routers:
+        return None
+    chosen = []
+    hooks = [r.register_forward_hook(lambda module, inputs, out: chosen.append(out[2])) for r in routers]
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask,
+              position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0))
+    finally:
+        for h in hooks:
+            h.remove()
+    T = completion_mask.shape[1]
+    per_layer = [c.view(*input_ids.shape, -1)[:, -T:][completion_mask.bool()] for c in chosen]  # (tokens, top_k) each
+    return torch.stack(per_layer).sort(-1).values  # (layers, tokens, top_k)
+
+
+def tracked(rollouts, path: str):
+    """`rollouts`, recording each batch's lengths by correctness and the change in its routing after the step."""
+    def wrapper(model, tokenizer, task, args, cursor, rank, world):
+        previous = None  # the last batch and its experts under the weights that sampled it
+        for batch, index in zip(rollouts(model, tokenizer, task, args, cursor, rank, world), range(1, 10**9)):
+            input_ids, attention_mask, completion_mask, _, _, _, reward_parts, _ = batch
+            record = {"batch": index}
+            if previous is not None and previous[1] is not None:  # the model now holds the step's new weights
+                changed = (expert_choices(model, *previous[0]) != previous[1]).any(-1).float()  # (layers, tokens)
+                record["experts_changed"] = changed.mean().item()
+                record["experts_changed_per_layer"] = changed.mean(1).tolist()
+            lengths, correct = completion_mask.sum(1).float(), reward_parts["correctness"] == 1  # (B,), (B,)
+            record |= {"length_correct": lengths[correct].tolist(), "length_wrong": lengths[~correct].tolist()}
+            with open(path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            inputs = (input_ids, attention_mask, completion_mask)
+            previous = (inputs, expert_choices(model, *inputs))
+            yield batch
+    return wrapper
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, ROOT)
+    spec = importlib.util.spec_from_file_location(sys.argv[1], os.path.join(ROOT, f"{sys.argv[1]}.py"))
+    script = sys.modules[sys.argv[1]] = importlib.util.module_from_spec(spec)  # (tyro reads Args' source)
+    spec.loader.exec_module(script)
+    script.rollouts = tracked(script.rollouts, "track.jsonl")
+    script.main(tyro.cli(script.Args, args=sys.argv[2:]))
