@@ -30,6 +30,10 @@ from typing import Literal
 import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmark"))
+import benchmark  # noqa: E402  (benchmark/benchmark.py: the peak FLOP/s measured before the runs)
+
+DOCS = os.path.join(ROOT, "docs")  # claims.md and the figures in claims/
 MOE = "{moe}"  # the preset's model, sparse-upcycled by experiments/moe.py into this folder under experiments/models
 SHORT = ["--steps", "10"]  # claims 1-4 on the CPU: 10 steps (evaluations at 0, 5 and 10); claim 5 the default 20
 # label: (script, its arguments, through track.py); the rest of each script's arguments are its defaults
@@ -75,7 +79,7 @@ class Args:
     claim: tyro.conf.Positional[Literal["clip-higher", "token-level-loss", "dynamic-sampling", "moe", "critic", "all"]]
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
     preset: Literal["cpu", "gpu"] = "cpu"  # gpu: SmolLM2-1.7B-Instruct, harder sums, longer completions, one at a time
-    out: str = os.path.join(ROOT, "experiments", "runs")  # one folder per run: {out}/{label}_s{seed}
+    out: str = ""  # one folder per run, {out}/{label}_s{seed}; default experiments/runs/{preset}
     report_only: bool = False  # run nothing: write the figures and tables from the runs in --out
 
 
@@ -87,8 +91,12 @@ def command(label: str, seed: int, preset: str) -> list[str]:
 
 
 def finished(folder: str) -> bool:
-    log = os.path.join(folder, "log.txt")
-    return os.path.isfile(log) and "held-out greedy accuracy:" in open(log).read()
+    """The run ended at its last step (a stopped run prints its summary too, after "stopped after step")."""
+    if not os.path.isfile(os.path.join(folder, "log.txt")):
+        return False
+    with open(os.path.join(folder, "log.txt")) as f:
+        log = f.read()
+    return "held-out greedy accuracy:" in log and "stopped after step" not in log
 
 
 def run_all(labels: list[str], args: Args) -> None:
@@ -98,20 +106,29 @@ def run_all(labels: list[str], args: Args) -> None:
         folder = os.path.join(args.out, f"{label}_s{seed}")
         os.makedirs(folder, exist_ok=True)
         argv = command(label, seed, args.preset)
-        for stale in glob.glob(os.path.join(folder, "runs", "*")) + glob.glob(os.path.join(folder, "track.jsonl")):
-            subprocess.run(["rm", "-rf", stale])  # an unfinished earlier attempt
+        for stale in ["runs", "checkpoints", "track.jsonl"]:  # of an unfinished earlier attempt
+            shutil.rmtree(os.path.join(folder, stale), ignore_errors=True)
+            if os.path.isfile(os.path.join(folder, stale)):
+                os.remove(os.path.join(folder, stale))
         start = time.time()
         with open(os.path.join(folder, "log.txt"), "w") as log:
             log.write(shlex.join(argv[1:]).replace(ROOT + "/", "") + "\n")
             log.flush()
             env = {**os.environ, "OMP_NUM_THREADS": "1"} if args.preset == "cpu" else dict(os.environ)
             code = subprocess.run(argv, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        if code == 0:
+            shutil.rmtree(os.path.join(folder, "checkpoints"), ignore_errors=True)  # the report reads only runs/
         print(f"{label} seed {seed}: exit {code} after {(time.time() - start) / 60:.1f} min", flush=True)
 
     moe = os.path.join(ROOT, "experiments", "models", MOE_FOLDERS[args.preset])
-    if any(MOE in VARIANTS[label][1] for label in labels) and not os.path.isdir(moe):  # the preset's model, upcycled
+    if any(MOE in VARIANTS[label][1] for label in labels) and not os.path.isfile(f"{moe}/tokenizer_config.json"):
         subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "moe.py"), "--out", moe,
                         *PRESETS[args.preset][:2]], check=True)
+    if "ppo" in labels and not os.path.isfile(os.path.join(args.out, "critic", "peak.json")):  # before the runs
+        os.makedirs(os.path.join(args.out, "critic"), exist_ok=True)
+        with open(os.path.join(args.out, "critic", "peak.json"), "w") as f:
+            preset = benchmark.PRESETS[args.preset]
+            json.dump({"flops": benchmark.matmul_peak(preset["dtype"], preset["threads"])}, f)
     jobs = [(label, seed) for seed in args.seeds for label in labels
             if not finished(os.path.join(args.out, f"{label}_s{seed}"))]
     with ThreadPoolExecutor(2 if args.preset == "cpu" else 1) as pool:
@@ -123,16 +140,20 @@ def read(folder: str) -> dict[str, dict[int, float]]:
     batch, one per step where nothing is resampled) and the groups with reward spread it trained on."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    (log,) = glob.glob(os.path.join(folder, "runs", "*"))
+    logs = glob.glob(os.path.join(folder, "runs", "*"))
+    if len(logs) != 1 or not finished(folder):
+        raise SystemExit(f"error: {folder}: not one finished run (run the claim's command without --report-only)")
+    log = logs[0]
     events = EventAccumulator(log, size_guidance={"scalars": 0})
     events.Reload()
     metrics = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
     with open(os.path.join(log, "args.json")) as f:
-        prompts = json.load(f)["num_prompts"]
-    spread = {s: prompts * (1 - v) for s, v in metrics["charts/zero_std_fraction"].items()}
-    metrics["informative_groups"] = metrics.get("charts/kept_groups", spread)  # DAPO's kept groups all have spread
+        run_args = json.load(f)
+    spread = {s: run_args["num_prompts"] * (1 - v) for s, v in metrics["charts/zero_std_fraction"].items()}
+    dynamic = run_args.get("dynamic_sampling")  # DAPO's kept groups all have spread
+    metrics["informative_groups"] = metrics["charts/kept_groups"] if dynamic else spread
     track = os.path.join(folder, "track.jsonl")
-    for record in map(json.loads, open(track) if os.path.isfile(track) else []):
+    for record in map(json.loads, open(track).readlines() if os.path.isfile(track) else []):
         for key, value in record.items():
             if key != "batch" and not key.endswith("per_layer") and (value or value == 0):
                 mean = statistics.mean(value) if isinstance(value, list) else value
@@ -147,8 +168,12 @@ def window(metric: dict[int, float], first: bool, n: int = 3) -> float | None:
 
 
 def commands(labels: list[str], args: Args) -> list[str]:
-    lines = [f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()}-core CPU ({args.preset} preset), seeds "
-             f"{' '.join(map(str, args.seeds))}; each run alone in its folder (two at a time, one thread each):", ""]
+    """When (the dates the runs' logs were last written), where and how the runs were made, and their commands."""
+    logs = [os.path.join(args.out, f"{label}_s{seed}", "log.txt") for label in labels for seed in args.seeds]
+    dates = sorted({time.strftime("%Y-%m-%d", time.gmtime(os.path.getmtime(log))) for log in logs})
+    how = f"a {os.cpu_count()}-core CPU, two runs at a time, one thread each" if args.preset == "cpu" else "one GPU"
+    lines = [f"Runs finished {', '.join(dates)} on {how} ({args.preset} preset), seeds "
+             f"{' '.join(map(str, args.seeds))}, each in its own folder:", ""]
     return lines + [f"- `{label}`: `python {shlex.join(command(label, 1, args.preset)[1:]).replace(ROOT + '/', '')}`"
                     .replace("--seed 1", "--seed N") for label in labels]
 
@@ -157,21 +182,21 @@ def report(claim: str, args: Args) -> str:
     labels, panels = CLAIMS[claim]
     runs = {label: {seed: read(os.path.join(args.out, f"{label}_s{seed}")) for seed in args.seeds} for label in labels}
     lines = commands(labels, args)
-    header = " | ".join(title + (", steps 1-3 -> last 3" if metric != "charts/eval_accuracy" else "")
-                        for metric, title in panels)
+    shown = [(metric, title) for metric, title in panels if metric != "charts/eval_accuracy"]  # (accuracy: its own)
+    header = " | ".join(f"{title}: first 3 -> last 3 steps" for _, title in shown)
     lines += ["", f"| variant | held-out accuracy: step 0 -> last, per seed | mean change | {header} |",
-              "|" + "---|" * (3 + len(panels))]
+              "|" + "---|" * (3 + len(shown))]
     for label in labels:
         accuracy = [runs[label][seed]["charts/eval_accuracy"] for seed in args.seeds]
         per_seed = ", ".join(f"{a[0]:.3f} -> {a[max(a)]:.3f}" for a in accuracy)
         change = statistics.mean(a[max(a)] - a[0] for a in accuracy)
         cells = []
-        for metric, _ in panels[:-1] if panels[-1][0] == "charts/eval_accuracy" else panels:
+        for metric, _ in shown:
             curves = [runs[label][seed].get(metric, {}) for seed in args.seeds]
             ends = [[window(curve, first) for curve in curves] for first in (True, False)]
             cells.append(" -> ".join("-" if None in e else f"{statistics.mean(e):.3g}" for e in ends))
         lines.append(f"| `{label}` | {per_seed} | {change:+.3f} | {' | '.join(cells)} |")
-    figure(runs, panels, os.path.join(ROOT, "docs", "claims", f"{claim}.png"))
+    figure(runs, panels, os.path.join(DOCS, "claims", f"{claim}.png"))
     lines += ["", f"Means over the seeds. ![{claim}](claims/{claim}.png)"]
     return "\n".join(lines)
 
@@ -203,7 +228,7 @@ def figure(runs: dict, panels: list, path: str) -> None:
 
 def write_section(claim: str, text: str) -> None:
     """Replace the text between the claim's markers in docs/claims.md (appended there at the first report)."""
-    path = os.path.join(ROOT, "docs", "claims.md")
+    path = os.path.join(DOCS, "claims.md")
     doc = open(path).read()
     begin, end = f"<!-- {claim}: written by experiments/claims.py -->", f"<!-- end {claim} -->"
     if begin not in doc:
@@ -215,21 +240,23 @@ def write_section(claim: str, text: str) -> None:
 
 def main(args: Args) -> None:
     claims = list(CLAIMS) if args.claim == "all" else [args.claim]
+    args.out = args.out or os.path.join(ROOT, "experiments", "runs", args.preset)
     if not args.report_only:
         run_all(list(dict.fromkeys(label for claim in claims for label in CLAIMS[claim][0])), args)
     for claim in claims:
         if claim == "critic":  # benchmark/benchmark.py's quality and speed tables, on the grpo and ppo runs
-            out = os.path.join(args.out, "critic")
-            for label in CLAIMS[claim][0]:  # the benchmark reads {script}_s{seed} folders
+            out = os.path.join(args.out, "critic")  # the benchmark reads {script}_s{seed} folders: links to the runs
+            os.makedirs(out, exist_ok=True)
+            for link in glob.glob(os.path.join(out, "*_s*")):
+                os.remove(link)
+            for label in CLAIMS[claim][0]:
                 for seed in args.seeds:
-                    link = os.path.join(out, f"{label}_s{seed}")
-                    if not os.path.exists(link):
-                        os.makedirs(out, exist_ok=True)
-                        os.symlink(os.path.join(args.out, f"{label}_s{seed}"), link)
+                    os.symlink(os.path.abspath(os.path.join(args.out, f"{label}_s{seed}")), f"{out}/{label}_s{seed}")
             subprocess.run([sys.executable, os.path.join(ROOT, "benchmark", "benchmark.py"), "--report-only",
                             "--out", out, "--preset", args.preset], check=True, stdout=subprocess.DEVNULL)
             table = open(os.path.join(out, "table.md")).read().split("\n", 2)[2].replace("## ", "#### ")
-            shutil.copy(os.path.join(out, "figure.png"), os.path.join(ROOT, "docs", "claims", "critic.png"))
+            os.makedirs(os.path.join(DOCS, "claims"), exist_ok=True)
+            shutil.copy(os.path.join(out, "figure.png"), os.path.join(DOCS, "claims", "critic.png"))
             text = "\n".join(commands(CLAIMS[claim][0], args)) + "\n\n" + table + "\n![critic](claims/critic.png)"
         else:
             text = report(claim, args)

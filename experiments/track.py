@@ -7,10 +7,12 @@
     python experiments/track.py grpo --model experiments/models/smollm2-moe --beta 0   # any arguments of the script
 
 It wraps the script's `rollouts` generator. `main` draws a batch at the start of each step, while the model holds that
-step's old weights, and the next one after the step's updates; so the routing of a batch is read once when it is drawn
-and once when the next is, and compared. Routing is read with one plain forward pass (positions from the attention
-mask, as in generation), the same way both times. One line per batch goes to track.jsonl in the working directory,
-beside the script's runs/ (DAPO's rounds are batches too; the routing is compared only for GRPO and GSPO here).
+step's old weights, and the next one after the step's updates: the routing of a batch is read when it is drawn and
+again when the next one is, and the change is recorded under the batch's own step (so none for the last step, after
+which nothing is drawn). Routing is read with one plain forward pass (positions from the attention mask, as in
+generation), the same way both times. Records go to track.jsonl in the working directory, beside the script's runs/,
+one line per batch and one per measured change. For GRPO and GSPO a batch is a step; DAPO's dynamic sampling draws
+several rounds a step, whose routing between rounds does not change. One process only; a tracked run is not resumed.
 """
 
 import importlib.util
@@ -30,11 +32,13 @@ def expert_choices(model, input_ids, attention_mask, completion_mask) -> torch.T
     dense model. Reads the top-k indices Mixtral-type routers return."""
     routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
     if not routers:
+        if getattr(model.config, "num_experts_per_tok", None):
+            raise SystemExit("error: a mixture-of-experts model without Mixtral-type routers (transformers >= 5)")
         return None
     chosen = []
     hooks = [r.register_forward_hook(lambda module, inputs, out: chosen.append(out[2])) for r in routers]
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask,
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1,
               position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0))
     finally:
         for h in hooks:
@@ -47,25 +51,28 @@ def expert_choices(model, input_ids, attention_mask, completion_mask) -> torch.T
 def tracked(rollouts, path: str):
     """`rollouts`, recording each batch's lengths by correctness and the change in its routing after the step."""
     def wrapper(model, tokenizer, task, args, cursor, rank, world):
-        previous = None  # the last batch and its experts under the weights that sampled it
-        for batch, index in zip(rollouts(model, tokenizer, task, args, cursor, rank, world), range(1, 10**9)):
+        previous = None  # the last batch's index, inputs and experts under the weights that sampled it
+        for index, batch in enumerate(rollouts(model, tokenizer, task, args, cursor, rank, world), 1):
             input_ids, attention_mask, completion_mask, _, _, _, reward_parts, _ = batch
-            record = {"batch": index}
-            if previous is not None and previous[1] is not None:  # the model now holds the step's new weights
-                changed = (expert_choices(model, *previous[0]) != previous[1]).any(-1).float()  # (layers, tokens)
-                record["experts_changed"] = changed.mean().item()
-                record["experts_changed_per_layer"] = changed.mean(1).tolist()
+            records = []
+            if previous is not None and previous[2] is not None:  # the model now holds the last step's new weights
+                changed = (expert_choices(model, *previous[1]) != previous[2]).any(-1).float()  # (layers, tokens)
+                records.append({"batch": previous[0], "experts_changed": changed.mean().item(),
+                                "experts_changed_per_layer": changed.mean(1).tolist()})
             lengths, correct = completion_mask.sum(1).float(), reward_parts["correctness"] == 1  # (B,), (B,)
-            record |= {"length_correct": lengths[correct].tolist(), "length_wrong": lengths[~correct].tolist()}
+            records.append({"batch": index, "length_correct": lengths[correct].tolist(),
+                            "length_wrong": lengths[~correct].tolist()})
             with open(path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.writelines(json.dumps(record) + "\n" for record in records)
             inputs = (input_ids, attention_mask, completion_mask)
-            previous = (inputs, expert_choices(model, *inputs))
+            previous = (index, inputs, expert_choices(model, *inputs))
             yield batch
     return wrapper
 
 
 if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1] not in ["grpo", "gspo", "dapo", "ppo"]:
+        raise SystemExit("usage: python experiments/track.py {grpo,gspo,dapo,ppo} [the script's arguments]")
     sys.path.insert(0, ROOT)
     spec = importlib.util.spec_from_file_location(sys.argv[1], os.path.join(ROOT, f"{sys.argv[1]}.py"))
     script = sys.modules[sys.argv[1]] = importlib.util.module_from_spec(spec)  # (tyro reads Args' source)
