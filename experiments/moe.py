@@ -42,7 +42,8 @@ def upcycle(dense, experts: int, top_k: int, seed: int) -> MixtralForCausalLM:
         initializer_range=c.initializer_range, bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id,
         pad_token_id=c.pad_token_id, num_local_experts=experts, num_experts_per_tok=top_k, router_jitter_noise=0.0,
         output_router_logits=False)
-    moe = MixtralForCausalLM(config)
+    with torch.device("meta"):  # no random initialisation: every weight is assigned below
+        moe = MixtralForCausalLM(config)
     weights = {k: v for k, v in dense.state_dict().items() if ".mlp." not in k}  # embeddings, attention, norms
     generator = torch.Generator().manual_seed(seed)
     for i, layer in enumerate(dense.model.layers):
@@ -52,7 +53,11 @@ def upcycle(dense, experts: int, top_k: int, seed: int) -> MixtralForCausalLM:
         weights[f"model.layers.{i}.mlp.experts.down_proj"] = mlp.down_proj.weight.expand(experts, -1, -1).clone()
         weights[f"model.layers.{i}.mlp.gate.weight"] = torch.randn(experts, c.hidden_size, generator=generator) \
             * c.initializer_range  # (E, H)
-    moe.load_state_dict(weights, strict=not c.tie_word_embeddings)  # (tied: lm_head.weight is the embedding)
+    missing, unexpected = moe.load_state_dict(weights, strict=False, assign=True)
+    if unexpected or set(missing) - {"lm_head.weight"} or (missing and not c.tie_word_embeddings):
+        raise SystemExit(f"error: this transformers' Mixtral has another layout (needs transformers >= 5): {missing}")
+    moe.tie_weights()  # (tied: lm_head.weight is the embedding)
+    moe.model.rotary_emb = type(moe.model.rotary_emb)(config)  # its buffers, computed, not loaded
     moe.generation_config = dense.generation_config
     return moe.float().eval()
 
