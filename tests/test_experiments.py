@@ -113,6 +113,7 @@ def test_track_counts_the_tokens_whose_experts_change_within_a_step(tiny_moe, tm
     assert records[0] == {"batch": 1, "length_correct": [5.0, 5.0], "length_wrong": [3.0]}
 
 
+@pytest.mark.slow
 def test_track_runs_a_script_unchanged(tiny_moe, copy_task, tmp_path):
     """`python experiments/track.py grpo ...` trains exactly as `python grpo.py ...` (the same rewards step by step)
     and records every step's lengths and, but for the last step, its change in experts."""
