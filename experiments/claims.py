@@ -172,8 +172,8 @@ def commands(labels: list[str], args: Args) -> list[str]:
     logs = [os.path.join(args.out, f"{label}_s{seed}", "log.txt") for label in labels for seed in args.seeds]
     dates = sorted({time.strftime("%Y-%m-%d", time.gmtime(os.path.getmtime(log))) for log in logs})
     how = f"a {os.cpu_count()}-core CPU, two runs at a time, one thread each" if args.preset == "cpu" else "one GPU"
-    lines = [f"Runs finished {', '.join(dates)} on {how} ({args.preset} preset), seeds "
-             f"{' '.join(map(str, args.seeds))}, each in its own folder:", ""]
+    seeds = " ".join(map(str, args.seeds))
+    lines = [f"Runs finished {', '.join(dates)} on {how} ({args.preset} preset), seeds {seeds}:", ""]
     return lines + [f"- `{label}`: `python {shlex.join(command(label, 1, args.preset)[1:]).replace(ROOT + '/', '')}`"
                     .replace("--seed 1", "--seed N") for label in labels]
 
