@@ -79,21 +79,27 @@ def matmul_peak(dtype: torch.dtype, threads: int) -> float:
     return 2 * n**3 / best
 
 
+def run_logged(argv: list[str], folder: str, threads: int) -> int:
+    """Run `argv` in `folder` with `threads` threads (all when 0); folder/log.txt holds the command (paths from the
+    repository root), then its output. Returns the exit code."""
+    os.makedirs(folder, exist_ok=True)
+    env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+    start = time.time()
+    with open(os.path.join(folder, "log.txt"), "w") as log:
+        log.write(shlex.join(argv[1:]).replace(ROOT + "/", "") + "\n")  # the exact command, above its output
+        log.flush()
+        code = subprocess.run(argv, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    print(f"{os.path.basename(folder)}: exit {code} after {(time.time() - start) / 60:.1f} min", flush=True)
+    return code
+
+
 def run_all(args: Args, preset: dict) -> None:
     """Every (script, seed) in its own folder under --out (runs/, checkpoints/, log.txt), `parallel` at a time."""
     def run(job):
         name, seed = job
-        folder = os.path.join(args.out, f"{name}_s{seed}")
-        os.makedirs(folder, exist_ok=True)
         argv = [sys.executable, os.path.join(ROOT, f"{name}.py"), "--seed", str(seed), *preset["common"],
                 *preset["own"].get(name, []), *shlex.split(args.extra)]
-        env = {**os.environ, **({"OMP_NUM_THREADS": str(preset["threads"])} if preset["threads"] else {})}
-        start = time.time()
-        with open(os.path.join(folder, "log.txt"), "w") as log:
-            log.write(shlex.join(argv[1:]) + "\n")  # the exact command, above its output
-            log.flush()
-            code = subprocess.run(argv, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-        print(f"{name} seed {seed}: exit {code} after {(time.time() - start) / 60:.1f} min")
+        run_logged(argv, os.path.join(args.out, f"{name}_s{seed}"), preset["threads"])
 
     with ThreadPoolExecutor(preset["parallel"]) as pool:
         jobs = [(name, seed) for name in args.scripts for seed in args.seeds]

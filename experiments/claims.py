@@ -31,7 +31,7 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmark"))
-import benchmark  # noqa: E402  (benchmark/benchmark.py: the peak FLOP/s measured before the runs)
+import benchmark  # noqa: E402  (benchmark/benchmark.py: runs logged as it logs them, the peak FLOP/s)
 
 DOCS = os.path.join(ROOT, "docs")  # claims.md and the figures in claims/
 MOE = "{moe}"  # the preset's model, sparse-upcycled by experiments/moe.py into this folder under experiments/models
@@ -101,24 +101,17 @@ def finished(folder: str) -> bool:
 
 def run_all(labels: list[str], args: Args) -> None:
     """Every (variant, seed) not yet finished in its own folder (log.txt: the command, then its output)."""
+    preset = benchmark.PRESETS[args.preset]  # the benchmark's runs at once, threads per run, matmul dtype
+
     def run(job):
         label, seed = job
         folder = os.path.join(args.out, f"{label}_s{seed}")
-        os.makedirs(folder, exist_ok=True)
-        argv = command(label, seed, args.preset)
         for stale in ["runs", "checkpoints", "track.jsonl"]:  # of an unfinished earlier attempt
             shutil.rmtree(os.path.join(folder, stale), ignore_errors=True)
             if os.path.isfile(os.path.join(folder, stale)):
                 os.remove(os.path.join(folder, stale))
-        start = time.time()
-        with open(os.path.join(folder, "log.txt"), "w") as log:
-            log.write(shlex.join(argv[1:]).replace(ROOT + "/", "") + "\n")
-            log.flush()
-            env = {**os.environ, "OMP_NUM_THREADS": "1"} if args.preset == "cpu" else dict(os.environ)
-            code = subprocess.run(argv, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-        if code == 0:
+        if benchmark.run_logged(command(label, seed, args.preset), folder, preset["threads"]) == 0:
             shutil.rmtree(os.path.join(folder, "checkpoints"), ignore_errors=True)  # the report reads only runs/
-        print(f"{label} seed {seed}: exit {code} after {(time.time() - start) / 60:.1f} min", flush=True)
 
     moe = os.path.join(ROOT, "experiments", "models", MOE_FOLDERS[args.preset])
     if any(MOE in VARIANTS[label][1] for label in labels) and not os.path.isfile(f"{moe}/tokenizer_config.json"):
@@ -127,11 +120,10 @@ def run_all(labels: list[str], args: Args) -> None:
     if "ppo" in labels and not os.path.isfile(os.path.join(args.out, "critic", "peak.json")):  # before the runs
         os.makedirs(os.path.join(args.out, "critic"), exist_ok=True)
         with open(os.path.join(args.out, "critic", "peak.json"), "w") as f:
-            preset = benchmark.PRESETS[args.preset]
             json.dump({"flops": benchmark.matmul_peak(preset["dtype"], preset["threads"])}, f)
     jobs = [(label, seed) for seed in args.seeds for label in labels
             if not finished(os.path.join(args.out, f"{label}_s{seed}"))]
-    with ThreadPoolExecutor(2 if args.preset == "cpu" else 1) as pool:
+    with ThreadPoolExecutor(preset["parallel"]) as pool:
         list(pool.map(run, jobs))
 
 

@@ -13,6 +13,7 @@ which nothing is drawn). Routing is read with one plain forward pass (positions 
 generation), the same way both times. Records go to track.jsonl in the working directory, beside the script's runs/,
 one line per batch and one per measured change. For GRPO and GSPO a batch is a step; DAPO's dynamic sampling draws
 several rounds a step, whose routing between rounds does not change. One process only; a tracked run is not resumed.
+On an MoE its two routing passes a batch count in the step's charts/time_sample.
 """
 
 import importlib.util
