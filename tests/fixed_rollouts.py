@@ -15,11 +15,12 @@ MAX_NEW_TOKENS = 4
 BARE_EOS = os.environ.get("BARE_EOS") == "1"  # rank 0's completions are all a bare EOS (one process: the first half)
 
 
-def fixed_sample(model, tokenizer, prompt_ids, repeat, gen_config, eos_ids):
+def fixed_sample(model, tokenizer, prompt_ids, repeat, gen_config):
     """What `sample` returns, for completions drawn from a generator seeded by the prompt: completion j of a group
     starts with the digit j, then random digits, and ends with EOS at a random place, or not at all (truncated).
     With BARE_EOS, the completions of rank 0's prompts (of the first half, in one process) are one EOS token."""
     width, T, pad = max(len(ids) for ids in prompt_ids), MAX_NEW_TOKENS, tokenizer.pad_token_id
+    eos = gen_config.eos_token_id[0]
     digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
     rows, prompt_masks, completion_masks = [], [], []
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -30,9 +31,9 @@ def fixed_sample(model, tokenizer, prompt_ids, repeat, gen_config, eos_ids):
             completion = [digits[j % 10]] + [digits[d] for d in torch.randint(0, 10, (T - 1,), generator=generator)]
             end = int(torch.randint(1, T + 1, (1,), generator=generator))  # EOS at position `end`; T: truncated
             if bare:
-                completion[0], end = eos_ids[0], 0
+                completion[0], end = eos, 0
             if end < T:
-                completion[end] = eos_ids[0]
+                completion[end] = eos
             length = min(end + 1, T)
             rows.append([pad] * (width - len(ids)) + ids + completion)
             prompt_masks.append([0] * (width - len(ids)) + [1] * len(ids))
@@ -41,8 +42,10 @@ def fixed_sample(model, tokenizer, prompt_ids, repeat, gen_config, eos_ids):
     attention_mask = torch.cat([torch.tensor(prompt_masks), completion_mask], 1)
     truncated = completion_mask.sum(1) == T
     device = next(model.parameters()).device
+    texts = [tokenizer.decode(row[width : width + sum(m)], skip_special_tokens=True)
+             for row, m in zip(rows, completion_masks)]
     return (torch.tensor(rows, device=device), attention_mask.to(device), completion_mask.to(device),
-            truncated.to(device))
+            truncated.to(device), texts)
 
 
 def fixed_score(completions, answers, task, weights):

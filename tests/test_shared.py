@@ -1,10 +1,11 @@
 """The code the four scripts share, tested in each: the sampler's masks and its draws, log-probs against a full
 log_softmax, gradient checkpointing, sampling exactly as Args say, float32 weights under bf16 compute, no dropout,
-micro-batches of whole groups, and one `compute_policy_loss` signature."""
+micro-batches of whole groups, one `compute_policy_loss` signature, and the plumbing's text, the same in all four."""
 
 import glob
 import inspect
 import os
+import re
 
 import pytest
 import torch
@@ -59,13 +60,14 @@ def test_sample_masks_up_to_first_eos_and_marks_truncation(module, model_and_tok
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     completions = [[5, eos, pad, pad], [5, 6, 7, 8], [eos, 5, eos, pad], [5, 6, 7, eos]]
     generator = FixedGenerator(completions)
-    out, attention, mask, truncated = module.sample(generator, tokenizer, [[9], [9, 9]], 2, GenerationConfig(), [eos])
+    config = GenerationConfig(eos_token_id=[eos])
+    out, attention, mask, truncated, texts = module.sample(generator, tokenizer, [[9], [9, 9]], 2, config)
     assert generator.prompt_rows == 2  # each prompt computed once, then repeated for its 2 completions
     assert out.shape == (4, 6) and out[:, :2].tolist() == [[pad, 9], [pad, 9], [9, 9], [9, 9]]  # repeat_interleave
     assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1]]
     assert truncated.tolist() == [False, True, False, False]
     assert attention[:, :2].tolist() == [[0, 1], [0, 1], [1, 1], [1, 1]]
-    assert module.decode(tokenizer, out[:, 2:], mask) == ["1", "1234", "", "123"]  # ids 4.. are "0123..."
+    assert texts == ["1", "1234", "", "123"]  # cut at the first EOS; ids 4.. are "0123..."
 
 
 @pytest.mark.parametrize("module", MODULES)
@@ -110,7 +112,7 @@ def test_greedy_sampling_ignores_the_checkpoints_generation_config(module, model
                               eos_token_id=eos_ids)
     prompts = [tokenizer("12+3=").input_ids, tokenizer("7").input_ids]
     torch.manual_seed(0)
-    out, attention_mask, completion_mask, _ = module.sample(model, tokenizer, prompts, 2, greedy, eos_ids)
+    out, attention_mask, completion_mask, _, _ = module.sample(model, tokenizer, prompts, 2, greedy)
     T = completion_mask.shape[1]
     assert T == 12 or not completion_mask.all()  # no max_new_tokens=2 from the saved config
     with torch.no_grad():
@@ -142,7 +144,7 @@ def test_each_prompt_runs_once_in_sampling_and_the_draws_are_those_of_plain_gene
 
     model.generate = generate_keeping_logits
     torch.manual_seed(0)
-    out, _, completion_mask, _ = module.sample(model, tokenizer, prompts, 3, config, eos_ids)
+    out, _, completion_mask, _, _ = module.sample(model, tokenizer, prompts, 3, config)
     width = max(map(len, prompts))
     input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts]).repeat_interleave(3, 0)
     prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]).repeat_interleave(3, 0)
@@ -239,6 +241,16 @@ def test_bfloat16_compute_trains_float32_weights_that_move(module, tiny_model, c
     total = sum(v.numel() for v in initial.values())
     assert all(v.dtype == torch.float32 for v in trained.values())
     assert changed / total > 0.5, f"{changed / total:.1%} of the entries changed"
+
+
+def test_the_plumbing_is_identical_in_all_four_scripts():
+    """Everything below the plumbing marker is the same text in every script, so `diff` shows only the algorithm."""
+    plumbing = {}
+    for m in MODULES:
+        with open(m.__file__) as f:
+            source = f.read()
+        plumbing[m.__name__] = source[re.search(r"^# -+ plumbing", source, re.M).start():]
+    assert len(set(plumbing.values())) == 1 and len(plumbing["grpo"].splitlines()) > 300, "see diff grpo.py ppo.py"
 
 
 def test_every_script_shares_compute_policy_loss_signature():
