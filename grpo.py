@@ -38,6 +38,7 @@ import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import peft
@@ -142,10 +143,9 @@ def compute_policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, 
 
     with torch.no_grad():
         is_clipped = ((ratio < 1 - args.clip_eps) & (adv < 0)) | ((ratio > 1 + args.clip_eps) & (adv > 0))
-        real = mask.bool()
         stats = {"policy_loss": loss.item(), "kl": average(kl), "clip_fraction": average(is_clipped),
                  "ratio_mean": average(ratio),
-                 "token_log_ratio_std": log_ratio[real].std().item() if real.sum() > 1 else 0.0,
+                 "token_log_ratio_std": log_ratio[mask.bool()].std().item() if mask.sum() > 1 else 0.0,
                  "seq_log_ratio_std": masked_mean(log_ratio, mask, 1).std().item() if len(mask) > 1 else 0.0}
     return loss, stats
 
@@ -415,7 +415,7 @@ def completion_outputs(model, input_ids, attention_mask, num_completion_tokens: 
 
 
 def micro_batches(indices: torch.Tensor, completion_mask: torch.Tensor, group_size: int, size: int) -> tuple:
-    """`indices` in micro-batches of `size`, whole groups together (one prompt forward each) and sorted by length."""
+    """`indices` in micro-batches of `size`, whole groups together and by length; the order changes only rounding."""
     longest = completion_mask.sum(1).cpu().view(-1, group_size).max(1).values  # (N / G,): each group's longest
     key = longest[indices // group_size] * len(completion_mask) + indices  # by that length, then by group
     return indices[key.argsort()].split(size)
@@ -497,8 +497,7 @@ def load_model(name: str):
         print(f"note: {config.model_type} is a mixture of experts; the router's load-balancing loss is not added")
     tokenizer.padding_side = "left"  # generation appends on the right
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    # a neutral generation config, or `generate` merges the checkpoint's into ours (repetition_penalty, top_k, and in
-    # transformers 4.5x do_sample and top_p where ours equal the defaults); eos: the model's and the tokenizer's
+    # a neutral config, or `generate` merges in the checkpoint's (docs/precision.md); EOS: the model's and tokenizer's
     eos = model.generation_config.eos_token_id
     eos = sorted({tokenizer.eos_token_id, *([] if eos is None else [eos] if isinstance(eos, int) else eos)})
     model.generation_config = GenerationConfig(bos_token_id=model.generation_config.bos_token_id, eos_token_id=eos,
@@ -568,8 +567,9 @@ def resume(args: Args) -> tuple[Args, dict | None]:
         raise SystemExit("error: --resume continues the run with the checkpoint's arguments; give no others")
     path = os.path.normpath(args.resume)  # a checkpoint; {run folder}/latest: the one it names, else the newest one
     folder = os.path.dirname(path) if os.path.basename(path) == "latest" else path
-    named = [os.path.join(folder, open(path).read().strip())] if os.path.isfile(path) else []
-    newest = sorted(glob.glob(os.path.join(folder, "step_*")), key=lambda d: -int(d.rsplit("_", 1)[1]))
+    named = [os.path.join(folder, Path(path).read_text().strip())] if folder != path and os.path.isfile(path) else []
+    complete = [d for d in glob.glob(os.path.join(folder, "step_*")) if os.path.isfile(os.path.join(d, STATE_FILE))]
+    newest = sorted(complete, key=lambda d: -int(d.rsplit("_", 1)[1]))
     checkpoint = next((d for d in [*named, folder, *newest] if os.path.isfile(os.path.join(d, STATE_FILE))), None)
     if checkpoint is None:
         raise SystemExit(f"error: --resume {path}: no complete checkpoint (a folder with {STATE_FILE}) there")

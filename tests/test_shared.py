@@ -243,14 +243,16 @@ def test_bfloat16_compute_trains_float32_weights_that_move(module, tiny_model, c
     assert changed / total > 0.5, f"{changed / total:.1%} of the entries changed"
 
 
-def test_the_plumbing_is_identical_in_all_four_scripts():
-    """Everything below the plumbing marker is the same text in every script, so `diff` shows only the algorithm."""
-    plumbing = {}
+def test_the_plumbing_sample_and_evaluate_are_identical_in_all_four_scripts():
+    """Everything below the plumbing marker, and `sample` and `evaluate` above it, are the same text in every script,
+    so `diff` shows only the algorithm."""
+    shared = {}
     for m in MODULES:
         with open(m.__file__) as f:
             source = f.read()
-        plumbing[m.__name__] = source[re.search(r"^# -+ plumbing", source, re.M).start():]
-    assert len(set(plumbing.values())) == 1 and len(plumbing["grpo"].splitlines()) > 300, "see diff grpo.py ppo.py"
+        shared[m.__name__] = (source[re.search(r"^# -+ plumbing", source, re.M).start():],
+                              inspect.getsource(m.sample), inspect.getsource(m.evaluate))
+    assert len(set(shared.values())) == 1 and len(shared["grpo"][0].splitlines()) > 300, "see diff grpo.py ppo.py"
 
 
 def test_every_script_shares_compute_policy_loss_signature():
