@@ -613,7 +613,7 @@ def update(optimizer, finite: bool, in_a_row: int, limit: int, step: int) -> int
 def start_run(args: Args, state: dict | None, rank: int, where: str) -> tuple[str, SummaryWriter | None]:
     """The run's checkpoint folder and (rank 0) its TensorBoard writer; a new run logs its arguments (and args.json)."""
     task = os.path.splitext(os.path.basename(args.task.rstrip("/")))[0] if os.path.exists(args.task) else args.task
-    stamp = int(all_gather(torch.tensor([time.time()], dtype=torch.float64))[0])
+    stamp = int(all_gather(torch.tensor([time.time()], dtype=torch.float64))[0])  # rank 0's clock, on every rank
     task = "".join(c if c.isalnum() or c in "-." else "_" for c in task)  # a folder name on any system
     name = state["run_name"] if state else f"{task}__{args.exp_name}__{args.seed}__{stamp}"
     logs = rank == 0 and not args.preflight  # (--preflight: nothing written)
@@ -650,7 +650,7 @@ def resume(args: Args) -> tuple[Args, dict | None]:
 def restore(state: dict | None, module, optimizer, scheduler, args: Args, rank: int, world: int) -> tuple:
     """The step, cursor, accuracies and skipped updates to go on from; the optimizer, schedule and RNG restored."""
     if rank > 0:
-        torch.manual_seed(args.seed + rank)
+        torch.manual_seed(args.seed + rank)  # each rank > 0 samples apart from rank 0
     if state is None:
         return 0, {"prompts_taken": 0}, {}, 0
     if len(state["rng"]) != world:
