@@ -59,9 +59,10 @@ import torch.nn.functional as F
 import tyro
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.utils.tensorboard import SummaryWriter
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig,
+                          LogitsProcessor, LogitsProcessorList)
 
 import rewards
 
@@ -98,7 +99,7 @@ class Args:
 
     # model and data
     model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"  # a causal LM: Hub id, save_pretrained folder or .gguf file
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # autocast compute dtype; auto: bfloat16 on CUDA only
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # autocast compute; auto: bf16 where native
     gradient_checkpointing: bool = False  # recompute activations in the backward pass to save memory
     lora_rank: int = 0  # LoRA (peft) adapters of this rank on every linear layer of the decoder; 0: full fine-tuning
     lora_alpha: float = 32.0  # LoRA's update is scaled by lora_alpha / lora_rank
@@ -263,9 +264,11 @@ def rollouts(model, tokenizer, task: rewards.Task, args: Args, cursor: dict, ran
     order = list(range(len(task.train)))
     random.Random(args.seed).shuffle(order)  # its own generator: a resumed run rebuilds the same order
     share = args.num_prompts // world  # each rank takes its share of the prompts; a prompt's group stays on one rank
-    gen_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0,
-                                  max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                                  eos_token_id=model.generation_config.eos_token_id)  # what the log-probs assume
+    # tokens from softmax(logits / temperature) in the top-p nucleus, no top-k: what the log-probs assume
+    eos_ids = model.generation_config.eos_token_id
+    gen_config = GenerationConfig(do_sample=False, max_new_tokens=args.max_new_tokens,
+                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)
+    draw = SoftmaxDraw(args.temperature, args.top_p)  # (generate keeps the one token it leaves)
     while True:
         # 1. take num_prompts prompts (cycling through a shuffled train split)
         start, cursor["prompts_taken"] = cursor["prompts_taken"], cursor["prompts_taken"] + args.num_prompts
@@ -274,7 +277,7 @@ def rollouts(model, tokenizer, task: rewards.Task, args: Args, cursor: dict, ran
         # 2. sample G completions per prompt in one batched generate call
         with gathered(model):  # (B, P+T), (B, P+T), (B, T), (B,), B texts
             input_ids, attention_mask, completion_mask, truncated, completions = sample(
-                model, tokenizer, [r["prompt_ids"] for r in picked], args.group_size, gen_config)
+                model, tokenizer, [r["prompt_ids"] for r in picked], args.group_size, gen_config, draw)
         answers = [r["answer"] for r in picked for _ in range(args.group_size)]
 
         # 3. score every completion (timed apart from sampling: charts/time_score)
@@ -284,11 +287,33 @@ def rollouts(model, tokenizer, task: rewards.Task, args: Args, cursor: dict, ran
         yield input_ids, attention_mask, completion_mask, truncated, completions, reward, reward_parts, score_seconds
 
 
+class SoftmaxDraw(LogitsProcessor):
+    """Draws each row's next token from softmax(logits / temperature), cut to the top-p nucleus, and leaves only it
+    for `generate` to take greedily. (generate's own draw, torch.multinomial, takes an exponential per vocabulary
+    entry: 15 ms a token for 16 rows of 49k on 2 CPU cores; this one, one uniform per row: 0.4 ms.)"""
+
+    def __init__(self, temperature: float, top_p: float):
+        self.temperature = temperature
+        self.top_p = top_p
+
+    def __call__(self, input_ids, scores):
+        probs = torch.softmax(scores.float() / self.temperature, -1)  # (B, V)
+        if self.top_p < 1:  # the fewest most likely tokens whose mass reaches top_p
+            sorted_probs, order = probs.sort(-1, descending=True)
+            outside = sorted_probs.cumsum(-1) - sorted_probs >= self.top_p
+            probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+        cdf = probs.double().cumsum(-1)  # (B, V)
+        u = torch.rand(len(cdf), 1, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]  # (B, 1)
+        token = torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[1] - 1)  # cdf[t-1] <= u < cdf[t]
+        return torch.full_like(scores, -math.inf).scatter(-1, token, 0.0)
+
+
 @torch.no_grad()
-def sample(model, tokenizer, prompt_ids: list[list[int]], repeat: int, gen_config):
+def sample(model, tokenizer, prompt_ids: list[list[int]], repeat: int, gen_config, draw: SoftmaxDraw | None):
     """Batched generation with a KV cache, each prompt `repeat` times in a row, computed once (its keys and values
-    copied to its rows). Returns the ids (B, P+T), attention mask (B, P+T), completion mask (B, T: up to and including
-    the first EOS), which completions reached the length limit (B,) and their texts (no special tokens)."""
+    copied to its rows); tokens drawn by `draw`, greedy when None. Returns the ids (B, P+T), attention mask (B, P+T),
+    completion mask (B, T: up to and including the first EOS), which completions reached the length limit (B,) and
+    their texts (no special tokens)."""
     width, pad = max(len(ids) for ids in prompt_ids), tokenizer.pad_token_id
     device = next(model.parameters()).device
     input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompt_ids], device=device)  # (N, P)
@@ -303,7 +328,8 @@ def sample(model, tokenizer, prompt_ids: list[list[int]], repeat: int, gen_confi
         cache.batch_repeat_interleave(repeat)  # (N, ., P-1, .) -> (B, ., P-1, .)
     input_ids, prompt_mask = input_ids.repeat_interleave(repeat, 0), prompt_mask.repeat_interleave(repeat, 0)  # (B, P)
     out = model.generate(input_ids=input_ids, attention_mask=prompt_mask, generation_config=gen_config,
-                         synced_gpus=False, **cache_kwarg(model, cache))  # weights gathered: each rank decodes alone
+                         logits_processor=LogitsProcessorList([draw] if draw else []), synced_gpus=False,
+                         **cache_kwarg(model, cache))  # weights gathered: each rank decodes alone
     model.train(was_training)
     completion = out[:, width:]  # (B, T)
     is_eos = torch.isin(completion, torch.tensor(gen_config.eos_token_id, device=device))  # (B, T)
@@ -325,7 +351,7 @@ def evaluate(model, tokenizer, records: list[dict], correctness: rewards.RewardF
     with gathered(model):
         for start in range(0, len(records), batch):
             chunk = records[start : start + batch]
-            texts = sample(model, tokenizer, [r["prompt_ids"] for r in chunk], 1, greedy)[4]
+            texts = sample(model, tokenizer, [r["prompt_ids"] for r in chunk], 1, greedy, None)[4]
             scores += correctness(texts, [r["answer"] for r in chunk])
     correct, total = all_gather(torch.tensor([[sum(scores), len(scores)]], dtype=torch.float64)).sum(0).tolist()
     log(writer, step, {"eval_accuracy": correct / max(1, total), "time_eval": time.time() - eval_start})
@@ -339,18 +365,18 @@ def main(args: Args) -> None:
     rank, world, device, dtype = init_distributed(args.dtype)
     random.seed(args.seed)
     torch.manual_seed(args.seed)  # the same on every rank: initialisation agrees
-    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)  # forward passes only
+    # every forward pass (sampling, old, reference, training): float32 weights cast per op (docs/precision.md)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     tokenizer, model = load_model(args.model)  # float32 weights, on the CPU until sharded
-    ref_model = None
-    if args.beta > 0 and not args.lora_rank:  # frozen copy of the initial policy in the compute dtype (beta 0: none)
-        ref_model = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
-        ref_model = shard(ref_model, model._no_split_modules or set(), dtype, device)
-    if state is not None and not args.lora_rank:  # the checkpoint's weights (a LoRA checkpoint: its adapter)
-        model.load_state_dict(AutoModelForCausalLM.from_pretrained(args.resume, dtype=torch.float32).state_dict())
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    critic = shard(Critic(model, state and state["critic"]), model._no_split_modules or set(), dtype, device)  # PPO
-    model = shard(add_lora(model, args, state), model._no_split_modules or set(), dtype, device)
+    ref_model = None
+    if args.beta > 0 and not args.lora_rank:  # the initial policy, frozen (beta 0: none)
+        ref_model = shard(reference_copy(model, dtype), model._no_split_modules or set(), device)
+    if state is not None and not args.lora_rank:  # the checkpoint's weights (a LoRA checkpoint: its adapter)
+        model.load_state_dict(AutoModelForCausalLM.from_pretrained(args.resume, dtype=torch.float32).state_dict())
+    critic = shard(Critic(model, state and state["critic"]), model._no_split_modules or set(), device)  # PPO
+    model = shard(add_lora(model, args, state), model._no_split_modules or set(), device)
     ref_model = model if args.beta > 0 and args.lora_rank else ref_model  # LoRA: the reference is the adapter off
     trained = torch.nn.ModuleList([model, critic])  # PPO: what the optimizer updates, for its state dict
     param_groups = [{"params": model.parameters()}, {"params": critic.parameters(), "lr": args.critic_learning_rate}]
@@ -362,7 +388,6 @@ def main(args: Args) -> None:
 
     batches = rollouts(model, tokenizer, task, args, cursor, rank, world)
     B = args.num_prompts // world * args.group_size  # completions on this rank
-    reuse_logprobs = args.num_iterations == 1 and args.num_minibatches == 1 and args.beta == 0  # PPO: KL needs pi_old
     step, path, skipped_in_a_row, eval_records = start, args.resume, 0, task.test[: args.eval_prompts][rank::world]
     with stop_signals(run_dir) as stop:
         while True:
@@ -395,19 +420,29 @@ def main(args: Args) -> None:
                 if args.preflight:
                     break
 
-            # 4. old log-probs (skipped when pi_old == pi_theta), reference log-probs (only when beta > 0); PPO: values
+            # 4. the step's mini-batches of whole groups, drawn once, each in micro-batches that every pass
+            # keeps (old, reference, training): a row's log-probs are then computed alike in each of them
+            groups = torch.arange(B).view(-1, args.group_size)[torch.randperm(B // args.group_size)]
+            minibatches = groups.flatten().split(B // args.num_minibatches)  # row indices of each
+            microbatches = [micro_batches(minibatch, completion_mask, args.group_size, args.micro_batch_size)
+                            for minibatch in minibatches]  # row indices of each micro-batch of each
+            # old log-probs, but the first mini-batch's: its first training pass, before any update, gives
+            # them; reference log-probs only when beta > 0; PPO: V_old, computed as the training pass computes V
             logprobs_start = time.time()
-            old_logprobs, ref_logprobs, old_values = (torch.zeros(B, T, device=device) for _ in range(3))  # PPO: values
+            old_logprobs = torch.zeros(B, T, device=device)
+            ref_logprobs = torch.zeros(B, T, device=device)
+            old_values = torch.zeros(B, T, device=device)  # PPO
             with torch.no_grad(), autocast:
-                for mb in micro_batches(torch.arange(B), completion_mask, args.group_size, args.micro_batch_size):
-                    if not reuse_logprobs:
-                        old_logprobs[mb] = token_logprobs(model, input_ids[mb], attention_mask[mb], T,
-                                                          args.temperature)[0]
-                    if ref_model is not None:
-                        with adapter_off(ref_model):
-                            ref_logprobs[mb] = token_logprobs(ref_model, input_ids[mb], attention_mask[mb], T,
+                for index in range(len(minibatches)):
+                    for mb in microbatches[index]:
+                        if index > 0 or args.beta > 0:  # PPO: the KL penalty in the reward needs every row's
+                            old_logprobs[mb] = token_logprobs(model, input_ids[mb], attention_mask[mb], T,
                                                               args.temperature)[0]
-                    old_values[mb] = critic(input_ids[mb], attention_mask[mb], T)  # PPO
+                        if ref_model is not None:
+                            with adapter_off(ref_model):
+                                ref_logprobs[mb] = token_logprobs(ref_model, input_ids[mb], attention_mask[mb], T,
+                                                                  args.temperature)[0]
+                        old_values[mb] = critic(input_ids[mb], attention_mask[mb], T)  # PPO
             if isinstance(ref_model, FSDPModule):  # never run backward, so FSDP2 would keep its root's weights gathered
                 ref_model.reshard()
 
@@ -416,21 +451,23 @@ def main(args: Args) -> None:
             advantages, returns = compute_gae(token_rewards, old_values, completion_mask, args.gamma, args.lam)
             advantages = whiten(advantages, completion_mask)  # (B, T)
 
-            # 6. num_iterations passes, each num_minibatches optimizer steps on whole groups, in micro-batches
+            # 6. num_iterations passes, each num_minibatches optimizer steps (later passes in a new order)
             logprobs_seconds, train_start, stats = time.time() - logprobs_start, time.time(), []
             learning_rate = scheduler.get_last_lr()[0]  # this step's
-            for _ in range(args.num_iterations):
-                groups = torch.arange(B).view(-1, args.group_size)[torch.randperm(B // args.group_size)]  # shuffled
-                for minibatch in groups.flatten().split(B // args.num_minibatches):
+            for iteration in range(args.num_iterations):
+                order = torch.randperm(len(minibatches)).tolist() if iteration > 0 else range(len(minibatches))
+                for index in order:
+                    minibatch = minibatches[index]
                     first = len(stats)  # this mini-batch's micro-batches are stats[first:]
-                    for mb in micro_batches(minibatch, completion_mask, args.group_size, args.micro_batch_size):
+                    for mb in microbatches[index]:
                         with autocast:  # the forward pass in the compute dtype; the loss and backward outside it
                             logprobs, entropy = token_logprobs(model, input_ids[mb], attention_mask[mb], T,
                                                                args.temperature, args.entropy_coef > 0)
                             new_values = critic(input_ids[mb], attention_mask[mb], T)  # PPO: V(s_t) to train, (mb, T)
-                        old = logprobs.detach() if reuse_logprobs else old_logprobs[mb]
-                        loss, mb_stats = compute_policy_loss(logprobs, old, ref_logprobs[mb], advantages[mb],
-                                                             completion_mask[mb], args)
+                        if iteration == 0 and index == 0:  # no update yet: pi_old is pi_theta
+                            old_logprobs[mb] = logprobs.detach()
+                        loss, mb_stats = compute_policy_loss(logprobs, old_logprobs[mb], ref_logprobs[mb],
+                                                             advantages[mb], completion_mask[mb], args)
                         value_loss, value_stats = compute_value_loss(new_values, old_values[mb], returns[mb],
                                                                      completion_mask[mb], args)  # PPO
                         mean_entropy = masked_mean(entropy, completion_mask[mb])
@@ -454,9 +491,14 @@ def main(args: Args) -> None:
             lengths, rewards_all = all_gather(completion_mask.sum(1).float()), all_gather(reward)  # (B * world,)
             # the work in tokens, each prompt once per group and no padding: a sampled token or one of a forward-only
             # pass (old, reference) costs 2 x parameters FLOPs, a trained token 6 x parameters
-            prompt_tokens = attention_mask[:: args.group_size, :-T].sum()
-            sampled_tokens = all_gather(prompt_tokens + completion_mask.sum()).sum().item()
+            first_of_group = (torch.arange(B, device=device) % args.group_size == 0).long()
+            row_tokens = completion_mask.sum(1) + attention_mask[:, :-T].sum(1) * first_of_group  # (B,)
+            sampled_tokens = all_gather(row_tokens.sum()).sum().item()
             trained_tokens = sampled_tokens  # every sampled completion is trained on
+            # the old pass skips the first mini-batch
+            old_tokens = trained_tokens - all_gather(row_tokens[minibatches[0]].sum()).sum().item()
+            if args.beta > 0:  # PPO: but for the KL penalty, every row's
+                old_tokens = trained_tokens
             tokens = all_gather(completion_mask.sum()).sum()  # PPO: every rank's completion tokens
             log(writer, step, {
                 "reward_mean": rewards_all.mean().item(), "reward_std": rewards_all.std().item(),
@@ -471,7 +513,7 @@ def main(args: Args) -> None:
                 "time_logprobs": logprobs_seconds, "time_train": train_seconds, "tokens_sampled": sampled_tokens,
                 "peak_memory_gb": all_gather(torch.tensor([peak_memory_gb(device)])).max().item(),
                 "sample_tokens_per_second": lengths.sum().item() / (sample_seconds - score_seconds),
-                "tokens_forward": (int(not reuse_logprobs) + int(ref_model is not None) + 1) * trained_tokens,  # PPO
+                "tokens_forward": old_tokens + (int(ref_model is not None) + 1) * trained_tokens,  # PPO: V_old
                 "tokens_trained": 2 * args.num_iterations * trained_tokens,  # PPO: the policy and the critic
                 "train_tokens_per_second": 2 * args.num_iterations * trained_tokens / train_seconds,
             }, weighted_means(stats))
@@ -502,8 +544,10 @@ def completion_outputs(model, input_ids, attention_mask, num_completion_tokens: 
     prompt_ids, prompt_mask = prompts[:, :P][:, keep], prompts[:, P:][:, keep]  # (U, P'); row b's prompt is index[b]
     completion_ids, completion_mask = input_ids[:, P : P + L], attention_mask[:, P : P + L]  # (B, L)
     head = {"logits_to_keep": 1} if model.get_output_embeddings() is not None else {}  # an LM: only the logits needed
-    checkpointed = torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
-    if checkpointed or not shares_cache(model):  # checkpointed layers drop a cache, and some caches cannot be copied
+    # checkpointed layers drop a cache, and some caches cannot be copied: whole rows then, in every pass (old,
+    # reference and training alike), so that each computes a row exactly as the others do
+    checkpointed = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    if checkpointed or not shares_cache(model):
         mask = torch.cat([prompt_mask[index], completion_mask], 1)  # (B, P'+L): whole rows
         out = model(input_ids=torch.cat([prompt_ids[index], completion_ids], 1), attention_mask=mask, use_cache=False,
                     position_ids=(mask.cumsum(-1) - 1).clamp(min=0), **({"logits_to_keep": L + 1} if head else {}))
@@ -806,18 +850,32 @@ def peak_memory_gb(device: torch.device) -> float:
 
 # Many devices (torchrun, FSDP2). Without torchrun each is a no-op: rank 0 of 1, an unsharded model.
 def init_distributed(dtype: str) -> tuple[int, int, torch.device, torch.dtype]:
-    """Rank, processes, device, compute dtype (auto: bf16 on CUDA). Under torchrun only rank 0 prints, logs, saves."""
+    """Rank, processes, device, compute dtype. Under torchrun only rank 0 prints, logs, saves."""
     cuda = torch.cuda.is_available()
-    dtype = torch.bfloat16 if dtype == "bfloat16" or (dtype == "auto" and cuda) else torch.float32
-    if "RANK" not in os.environ:
-        return 0, 1, torch.device("cuda" if cuda else "cpu"), dtype
-    if cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    if dist.get_rank() > 0:
-        sys.stdout = open(os.devnull, "w")
+    if "RANK" in os.environ:
+        if cuda:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if cuda else "gloo")
+        if dist.get_rank() > 0:
+            sys.stdout = open(os.devnull, "w")
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    return dist.get_rank(), dist.get_world_size(), device, dtype
+    dtype, why = compute_dtype(dtype, device)
+    print(f"precision: {str(dtype).removeprefix('torch.')} compute, float32 weights ({why})")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return rank, dist.get_world_size() if dist.is_initialized() else 1, device, dtype
+
+
+def compute_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """--dtype, and why: auto is bf16 where the device multiplies bf16 natively, float32 elsewhere."""
+    if name != "auto":
+        return getattr(torch, name), f"--dtype {name}"
+    if device.type == "cuda":
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+        why = "this GPU computes bf16 natively" if native else "this GPU has no native bf16"
+    else:  # (mkldnn's bf16 check is true on plain AVX-512 too, where bf16 is emulated and slower)
+        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        why = "this CPU has AVX-512 BF16 or AMX" if native else "this CPU has neither AVX-512 BF16 nor AMX"
+    return torch.bfloat16 if native else torch.float32, f"--dtype auto: {why}"
 
 
 def all_gather(x):
@@ -834,16 +892,28 @@ def all_gather(x):
     return torch.cat(parts)
 
 
-def shard(module: torch.nn.Module, layer_names: set, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+def shard(module: torch.nn.Module, layer_names: set, device: torch.device) -> torch.nn.Module:
     """FSDP2: each decoder layer, then the rest, sharded over the ranks (float32 weights, gradients and AdamW state,
-    1/world per device); a layer's weights gathered in `dtype` for its passes, gradients averaged in float32."""
+    1/world per device). A layer's weights are gathered as stored, float32, and autocast casts them per op as on
+    one device, so that one process and many compute the same (docs/precision.md)."""
     if not dist.is_initialized():
         return module.to(device)
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for layer in [m for m in module.modules() if type(m).__name__ in layer_names]:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(module.get_base_model() if isinstance(module, peft.PeftModel) else module, mp_policy=policy)
+        fully_shard(layer)
+    fully_shard(module.get_base_model() if isinstance(module, peft.PeftModel) else module)
     return module  # (LoRA: the root is the base model, whose forward `generate` calls too)
+
+
+def reference_copy(model, dtype: torch.dtype):
+    """A frozen copy of the initial policy that computes exactly what the policy computes, in train mode as it
+    is (no dropout): float32, but each linear layer (except one tied to the embedding) stored in `dtype`,
+    to which autocast casts it for every product anyway: the same values in half the memory."""
+    ref_model = copy.deepcopy(model).requires_grad_(False)
+    embedding = ref_model.get_input_embeddings().weight
+    for module in ref_model.modules():
+        if isinstance(module, torch.nn.Linear) and module.weight is not embedding:
+            module.to(dtype)
+    return ref_model
 
 
 @contextlib.contextmanager

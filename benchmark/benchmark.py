@@ -6,6 +6,7 @@ back the arguments each run wrote (runs/{run_name}/args.json) and what it logged
     python benchmark/benchmark.py                                   # CPU: SmolLM2-135M-Instruct, arithmetic, seed 1
     python benchmark/benchmark.py --preset gpu                      # Qwen2.5-0.5B-Instruct, 128 completions a step
     python benchmark/benchmark.py --seeds 1 2 3 --scripts grpo gspo   # any subset, any seeds
+    python benchmark/benchmark.py --scripts grpo --dtypes auto float32  # the default precision against float32
     python benchmark/benchmark.py --report-only --out benchmark/cpu   # redraw the tables and figure from runs there
 
 Floating-point work per step, from the logged token counts (each prompt counted once per group, no padding; the
@@ -20,6 +21,7 @@ by the time it took and by the peak measured here, before the runs, with a large
 import glob
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -54,6 +56,9 @@ class Args:
     """which scripts to run"""
     seeds: list[int] = field(default_factory=lambda: [1])
     """seeds; every script runs once per seed"""
+    dtypes: list[Literal["auto", "float32", "bfloat16"]] = field(default_factory=lambda: ["auto"])
+    """the scripts' --dtype; every script runs once per seed and dtype, and with two or more the report compares
+    each phase's time with float32's"""
     out: str = ""
     """output folder (default benchmark/{preset}): one folder per run, table.md and figure.png"""
     extra: str = ""
@@ -96,13 +101,14 @@ def run_logged(argv: list[str], folder: str, threads: int) -> int:
 def run_all(args: Args, preset: dict) -> None:
     """Every (script, seed) in its own folder under --out (runs/, checkpoints/, log.txt), `parallel` at a time."""
     def run(job):
-        name, seed = job
-        argv = [sys.executable, os.path.join(ROOT, f"{name}.py"), "--seed", str(seed), *preset["common"],
-                *preset["own"].get(name, []), *shlex.split(args.extra)]
-        run_logged(argv, os.path.join(args.out, f"{name}_s{seed}"), preset["threads"])
+        name, dtype, seed = job
+        argv = [sys.executable, os.path.join(ROOT, f"{name}.py"), "--seed", str(seed), "--dtype", dtype,
+                *preset["common"], *preset["own"].get(name, []), *shlex.split(args.extra)]
+        folder = f"{name}_s{seed}" if dtype == "auto" else f"{name}-{dtype}_s{seed}"
+        run_logged(argv, os.path.join(args.out, folder), preset["threads"])
 
     with ThreadPoolExecutor(preset["parallel"]) as pool:
-        jobs = [(name, seed) for name in args.scripts for seed in args.seeds]
+        jobs = [(name, dtype, seed) for name in args.scripts for dtype in args.dtypes for seed in args.seeds]
         list(pool.map(run, sorted(jobs, key=lambda job: LONGEST_FIRST.index(job[0]))))
 
 
@@ -121,8 +127,9 @@ def matmul_parameters(model: str) -> tuple[int, int, int]:
 
 def read_runs(out: str) -> list[dict]:
     """Each run in `out`: its script and seed (from its folder's name), its arguments (the args.json it wrote beside
-    its TensorBoard events), its scalars as (step, value, wall time), and when it started: the first TensorBoard
-    event, written when the script opened its writer, after loading the model and just before evaluation 0."""
+    its TensorBoard events), the compute precision its log's first line names (else its --dtype), its scalars as
+    (step, value, wall time), and when it started: the first TensorBoard event, written when the script opened its
+    writer, after loading the model and just before evaluation 0."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     runs = []
@@ -140,9 +147,14 @@ def read_runs(out: str) -> list[dict]:
         scalars = {tag: [(e.step, e.value, e.wall_time) for e in events.Scalars(tag)]
                    for tag in events.Tags()["scalars"]}
         name, seed = os.path.basename(folder).rsplit("_s", 1)
-        runs.append({"script": name, "seed": int(seed), "scalars": scalars, "args": args,
-                     "start": events.FirstEventTimestamp()})
-    return sorted(runs, key=lambda r: (SCRIPTS.index(r["script"]), r["seed"]))
+        log_file, precision = os.path.join(folder, "log.txt"), args["dtype"]
+        if os.path.isfile(log_file):
+            with open(log_file) as f:
+                said = re.search(r"^precision: (\w+) compute", f.read(), re.M)
+            precision = said.group(1) if said else precision
+        runs.append({"script": name.split("-")[0], "precision": precision, "seed": int(seed), "scalars": scalars,
+                     "args": args, "start": events.FirstEventTimestamp()})
+    return sorted(runs, key=lambda r: (SCRIPTS.index(r["script"]), r["precision"], r["seed"]))
 
 
 def series(run: dict, tag: str) -> list[float]:
@@ -174,10 +186,14 @@ def step_work(run: dict, n: int, layers: int, width: int) -> dict[str, float]:
 
 def report(args: Args, peak: float) -> str:
     """Two tables: quality (held-out accuracy per run, then per script over its seeds) and speed (time, throughput,
-    memory and floating-point work per run)."""
+    memory and floating-point work per run); with runs in several precisions, each labelled with its precision, and
+    a third table: each phase's time against float32's."""
     runs = read_runs(args.out)
     if not runs:
         raise SystemExit(f"error: no runs in {args.out}")
+    several = len({r["precision"] for r in runs}) > 1
+    for run in runs:
+        run["label"] = f"{run['script']} {run['precision']}" if several else run["script"]
     n, layers, width = matmul_parameters(runs[0]["args"]["model"])
     preset = PRESETS[args.preset]
     quality = ["## Quality", "", "| script | seed | steps | held-out accuracy, first -> last eval |", "|" + "---|" * 4]
@@ -188,7 +204,7 @@ def report(args: Args, peak: float) -> str:
              "|" + "---|" * 10]
     for run in runs:
         accuracy, steps = series(run, "charts/eval_accuracy"), series(run, "charts/step_seconds")
-        quality.append(f"| {run['script']} | {run['seed']} | {len(steps)} | {accuracy[0]:.3f} -> {accuracy[-1]:.3f} |")
+        quality.append(f"| {run['label']} | {run['seed']} | {len(steps)} | {accuracy[0]:.3f} -> {accuracy[-1]:.3f} |")
         work = step_work(run, n, layers, width)
         wall = max(w for values in run["scalars"].values() for _, _, w in values) - run["start"]  # loading not counted
         phases = " / ".join(f"{mean(run, 'charts/' + p):.1f}" for p in PHASES)
@@ -196,21 +212,43 @@ def report(args: Args, peak: float) -> str:
         gflops = " / ".join(f"{work.get(k, 0) / 1e9:.3g}" for k in ["sampled", "forward", "trained"])
         step_peak = sum(work.values()) / statistics.mean(steps) / peak
         train_peak = work["trained"] / mean(run, "charts/time_train") / peak
-        speed.append(f"| {run['script']} | {run['seed']} | {wall / 60:.1f} | {statistics.mean(steps):.1f} | {phases} "
+        speed.append(f"| {run['label']} | {run['seed']} | {wall / 60:.1f} | {statistics.mean(steps):.1f} | {phases} "
                      f"| {mean(run, 'charts/sample_tokens_per_second'):.0f} "
                      f"| {mean(run, 'charts/train_tokens_per_second'):.0f} "
                      f"| {memory:.1f} | {gflops} | {step_peak:.0%}, {train_peak:.0%} |")
     quality += ["", "| script | seeds | held-out accuracy before | after, mean (range) | change, mean (range) "
                 "| seeds with +0.2 or more |", "|" + "---|" * 6]
-    for name in dict.fromkeys(r["script"] for r in runs):
-        curves = [series(r, "charts/eval_accuracy") for r in runs if r["script"] == name]
+    for name in dict.fromkeys(r["label"] for r in runs):
+        curves = [series(r, "charts/eval_accuracy") for r in runs if r["label"] == name]
         before, after = [c[0] for c in curves], [c[-1] for c in curves]
         change = [b - a for a, b in zip(before, after)]
         quality.append(f"| {name} | {len(curves)} | {statistics.mean(before):.3f} | {statistics.mean(after):.3f} "
                        f"({min(after):.3f}-{max(after):.3f}) | {statistics.mean(change):+.3f} ({min(change):+.3f} to "
                        f"{max(change):+.3f}) | {sum(c >= 0.2 - 1e-9 for c in change)} of {len(curves)} |")
     figure(runs, os.path.join(args.out, "figure.png"))
-    return "\n".join(quality + [""] + speed) + "\n"
+    return "\n".join(quality + [""] + speed + ([""] + precisions(runs) if several else [])) + "\n"
+
+
+def precisions(runs: list[dict]) -> list[str]:
+    """Each script's mean seconds a step, and per phase, in each precision over float32's (means over its steps
+    and seeds); and per sampled token, since the precisions sample different completions."""
+    table = ["## Precision", "", "| script | precision | s/step | sample / score / logprobs / train s "
+             "| ms per sampled token | over float32: step, per sampled token | sample / score / logprobs / train |",
+             "|" + "---|" * 7]
+    for name in dict.fromkeys(r["script"] for r in runs):
+        seconds = {}  # precision: [step, per sampled token, *phases]
+        for precision in dict.fromkeys(r["precision"] for r in runs if r["script"] == name):
+            group = [r for r in runs if r["script"] == name and r["precision"] == precision]
+            step = statistics.mean(v for r in group for v in series(r, "charts/step_seconds"))
+            tokens = statistics.mean(v for r in group for v in series(r, "charts/tokens_sampled"))
+            phases = [statistics.mean(v for r in group for v in series(r, f"charts/{p}")) for p in PHASES]
+            seconds[precision] = [step, step / tokens, *phases]
+        for precision, values in seconds.items():
+            base = seconds.get("float32")
+            ratios = [f"{v / b:.2f}x" if base and b > 0 else "-" for v, b in zip(values, base or values)]
+            table.append(f"| {name} | {precision} | {values[0]:.2f} | {' / '.join(f'{v:.2f}' for v in values[2:])} "
+                         f"| {1000 * values[1]:.1f} | {ratios[0]}, {ratios[1]} | {' / '.join(ratios[2:])} |")
+    return table
 
 
 def figure(runs: list[dict], path: str) -> None:
@@ -231,21 +269,21 @@ def figure(runs: list[dict], path: str) -> None:
         for run in runs:
             points = run["scalars"].get(tag, [])
             x = [w - run["start"] if wall else s for s, _, w in points]
-            first_seed = min(r["seed"] for r in runs if r["script"] == run["script"])
-            label = run["script"] if run["seed"] == first_seed else None  # one legend entry per script
+            first_seed = min(r["seed"] for r in runs if r["label"] == run["label"])
+            label = run["label"] if run["seed"] == first_seed else None  # one legend entry per script
             ax.plot(x, [v for _, v, _ in points], color=colors.get(run["script"]), label=label,
-                    marker="." if "eval" in tag else None)
+                    marker="." if "eval" in tag else None, alpha=0.5 if run["precision"] == "float32" else 1.0)
             if tag == "losses/token_log_ratio_std":
                 ax.plot([s for s, _, _ in run["scalars"].get("losses/seq_log_ratio_std", [])],
                         series(run, "losses/seq_log_ratio_std"), color=colors.get(run["script"]), linestyle="--")
         ax.set_title(title)
         ax.set_xlabel("seconds" if wall else "step")
     axes.flat[0].legend()
-    scripts = list(dict.fromkeys(r["script"] for r in runs))
+    scripts = list(dict.fromkeys(r["label"] for r in runs))
     ax = axes.flat[6]  # the time of a step, split into its phases (mean over steps and seeds)
     bottom = [0.0] * len(scripts)
     for i, phase in enumerate(PHASES):
-        heights = [statistics.mean(v for r in runs if r["script"] == s for v in series(r, f"charts/{phase}"))
+        heights = [statistics.mean(v for r in runs if r["label"] == s for v in series(r, f"charts/{phase}"))
                    for s in scripts]
         ax.bar(scripts, heights, bottom=bottom, label=phase[5:], color=f"C{4 + i}")  # not the scripts' colours
         bottom = [b + h for b, h in zip(bottom, heights)]
@@ -254,7 +292,7 @@ def figure(runs: list[dict], path: str) -> None:
     ax = axes.flat[7]
     rates = [("charts/sample_tokens_per_second", "sampled"), ("charts/train_tokens_per_second", "trained")]
     for i, (tag, label) in enumerate(rates):
-        values = [statistics.mean(v for r in runs if r["script"] == s for v in series(r, tag)) for s in scripts]
+        values = [statistics.mean(v for r in runs if r["label"] == s for v in series(r, tag)) for s in scripts]
         ax.bar([j + 0.4 * i for j in range(len(scripts))], values, width=0.4, label=label, color=f"C{8 + i}")
     ax.set_xticks([j + 0.2 for j in range(len(scripts))], scripts)
     ax.set_title("tokens per second")

@@ -15,7 +15,7 @@ MAX_NEW_TOKENS = 4
 BARE_EOS = os.environ.get("BARE_EOS") == "1"  # rank 0's completions are all a bare EOS (one process: the first half)
 
 
-def fixed_sample(model, tokenizer, prompt_ids, repeat, gen_config):
+def fixed_sample(model, tokenizer, prompt_ids, repeat, gen_config, draw):
     """What `sample` returns, for completions drawn from a generator seeded by the prompt: completion j of a group
     starts with the digit j, then random digits, and ends with EOS at a random place, or not at all (truncated).
     With BARE_EOS, the completions of rank 0's prompts (of the first half, in one process) are one EOS token."""
@@ -57,12 +57,12 @@ def fixed_score(completions, answers, task, weights):
 def recording(shard):
     """`shard`, also writing what this process holds of each sharded module to $REPORT_SHARDS.{rank}.json: the bytes
     of its parameters' local shards and of the whole parameters, and the device of the input module."""
-    def wrapped(module, layer_names, dtype, device):
+    def wrapped(module, layer_names, device):
         full = sum(p.numel() * p.element_size() for p in module.parameters())
         where = str(next(module.parameters()).device)
-        module = shard(module, layer_names, dtype, device)
+        module = shard(module, layer_names, device)
         local = sum(p.to_local().numel() * p.element_size() for p in module.parameters())
-        records.append({"full": full, "local": local, "loaded_on": where, "dtype": str(dtype)})
+        records.append({"full": full, "local": local, "loaded_on": where})
         with open(f"{os.environ['REPORT_SHARDS']}.{os.environ.get('RANK', '0')}.json", "w") as f:
             json.dump(records, f)
         return module

@@ -36,24 +36,25 @@ def test_step_work_counts_each_prompt_once_and_three_passes_for_training():
     assert work == {"sampled": 60 * 1000, "forward": 120 * 1000, "trained": 3 * 60 * 1000}
 
 
-def test_the_report_reads_the_arguments_a_run_wrote_and_splits_quality_from_speed(tiny_model, tmp_path):
-    """A run folder as grpo.py leaves it (runs/{run_name}/args.json beside the TensorBoard events; no markdown table of
-    the arguments), 2 steps of 2 prompts x 4 completions of 5 tokens on the tiny model. N = 83,584 parameters multiply
-    (2 layers of 4 x 64 x 64 + 3 x 64 x 128, the norms and the 21 x 64 LM head), so with prompts of 10 tokens a token
-    costs 2 N + 4 x 2 x 64 x (10 + 5 / 2) = 173,568 FLOPs forward: 60 sampled, 120 forward and 3 x 60 trained tokens a
-    step are 0.0104, 0.0208 and 0.0312 GFLOP. At 15 s a step and 5 s of training, that is half and three quarters of a
-    peak of 8,331,264 FLOP/s."""
-    folder = tmp_path / "grpo_s1" / "runs" / "arithmetic__grpo__1__0"
-    folder.mkdir(parents=True)
+SCALARS = {"charts/step_seconds": [10, 20], "charts/time_sample": [4, 6], "charts/time_score": [0, 0],
+           "charts/time_logprobs": [2, 2], "charts/time_train": [5, 5],
+           "charts/sample_tokens_per_second": [90, 110], "charts/train_tokens_per_second": [50, 50],
+           "charts/peak_memory_gb": [1.0, 1.5],
+           "charts/completion_length_mean": [5, 5], "charts/tokens_sampled": [60, 60],
+           "charts/tokens_forward": [120, 120], "charts/tokens_trained": [60, 60], "charts/reward_mean": [0.5, 1.0]}
+
+
+def write_run(folder, tiny_model: str, scalars: dict, log: str | None = None) -> None:
+    """A run folder as grpo.py leaves it (runs/{run_name}/args.json beside the TensorBoard events; no markdown table
+    of the arguments), 2 steps of 2 prompts x 4 completions on the tiny model, evaluated at steps 0 and 2; and the
+    log.txt the benchmark writes beside it, when given."""
+    events = folder / "runs" / "arithmetic__grpo__1__0"
+    events.mkdir(parents=True)
     args = grpo.Args(model=tiny_model, num_prompts=2, group_size=4)
-    (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args)))
-    writer, start = SummaryWriter(str(folder)), time.time()
-    scalars = {"charts/step_seconds": [10, 20], "charts/time_sample": [4, 6], "charts/time_score": [0, 0],
-               "charts/time_logprobs": [2, 2], "charts/time_train": [5, 5],
-               "charts/sample_tokens_per_second": [90, 110], "charts/train_tokens_per_second": [50, 50],
-               "charts/peak_memory_gb": [1.0, 1.5],
-               "charts/completion_length_mean": [5, 5], "charts/tokens_sampled": [60, 60],
-               "charts/tokens_forward": [120, 120], "charts/tokens_trained": [60, 60], "charts/reward_mean": [0.5, 1.0]}
+    (events / "args.json").write_text(json.dumps(dataclasses.asdict(args)))
+    if log is not None:
+        (folder / "log.txt").write_text(log)
+    writer, start = SummaryWriter(str(events)), time.time()
     for tag, values in scalars.items():
         for step, value in enumerate(values, 1):
             writer.add_scalar(tag, value, step, walltime=start + 60 * step)  # the last, step 2, 2 min after the start
@@ -61,6 +62,14 @@ def test_the_report_reads_the_arguments_a_run_wrote_and_splits_quality_from_spee
         writer.add_scalar("charts/eval_accuracy", accuracy, step, walltime=start + 60 * step)
     writer.close()
 
+
+def test_the_report_reads_the_arguments_a_run_wrote_and_splits_quality_from_speed(tiny_model, tmp_path):
+    """2 steps of 2 prompts x 4 completions of 5 tokens on the tiny model. N = 83,584 parameters multiply (2 layers
+    of 4 x 64 x 64 + 3 x 64 x 128, the norms and the 21 x 64 LM head), so with prompts of 10 tokens a token costs
+    2 N + 4 x 2 x 64 x (10 + 5 / 2) = 173,568 FLOPs forward: 60 sampled, 120 forward and 3 x 60 trained tokens a
+    step are 0.0104, 0.0208 and 0.0312 GFLOP. At 15 s a step and 5 s of training, that is half and three quarters of
+    a peak of 8,331,264 FLOP/s."""
+    write_run(tmp_path / "grpo_s1", tiny_model, SCALARS)
     text = benchmark.report(benchmark.Args(out=str(tmp_path)), peak=8_331_264)
     rows = rows_by_width(text, ("grpo",))
     assert text.index("## Quality") < text.index("| script | seed | steps |") < text.index("## Speed")
@@ -68,7 +77,24 @@ def test_the_report_reads_the_arguments_a_run_wrote_and_splits_quality_from_spee
     assert rows[6] == [["grpo", "1", "0.250", "0.750 (0.750-0.750)", "+0.500 (+0.500 to +0.500)", "1 of 1"]]
     assert rows[10] == [["grpo", "1", "2.0", "15.0", "5.0 / 0.0 / 2.0 / 5.0", "100", "50", "1.5",
                          "0.0104 / 0.0208 / 0.0312", "50%, 75%"]]
+    assert "## Precision" not in text  # one precision: nothing to compare
     assert (tmp_path / "figure.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_report_compares_each_phase_of_another_precision_with_float32(tiny_model, tmp_path):
+    """The default run's log says bf16 (as --dtype auto resolved it); the float32 run took twice as long a step and
+    sampled half the tokens: 0.50x a step, 0.25x per sampled token, and each phase's own ratio."""
+    write_run(tmp_path / "grpo_s1", tiny_model, SCALARS, log="python grpo.py\nprecision: bfloat16 compute, ...\n")
+    float32 = {**SCALARS, "charts/step_seconds": [20, 40], "charts/time_sample": [10, 10],
+               "charts/time_train": [10, 10], "charts/tokens_sampled": [30, 30]}
+    write_run(tmp_path / "grpo-float32_s1", tiny_model, float32, log="precision: float32 compute, ...\n")
+    text = benchmark.report(benchmark.Args(out=str(tmp_path)), peak=8_331_264)
+    assert [row[0] for row in rows_by_width(text, ("grpo bfloat16", "grpo float32"))[4]] == [
+        "grpo bfloat16", "grpo float32"]
+    precision = text[text.index("## Precision"):]
+    bfloat16 = "| grpo | bfloat16 | 15.00 | 5.00 / 0.00 / 2.00 / 5.00 | 250.0 | 0.50x, 0.25x | 0.50x / - / 1.00x / 0.50x |"
+    assert bfloat16 in precision
+    assert "| grpo | float32 | 30.00 | 10.00 / 0.00 / 2.00 / 10.00 | 1000.0 | 1.00x, 1.00x |" in precision
 
 
 @pytest.mark.slow

@@ -51,6 +51,7 @@ def test_two_processes_take_the_same_update_as_one(module, bare_eos, lora, tiny_
     argv = [os.path.join(ROOT, "tests", "fixed_rollouts.py"), module.__name__, "--model", tiny_model, "--task",
             copy_task, "--steps", "2", "--eval-every", "0", "--output-dir", "ckpt", "--learning-rate", "0.1",
             "--num-minibatches", "1", "--micro-batch-size", "3", "--beta", "0" if module.__name__ == "dapo" else "0.1",
+            "--dtype", "float32",
             *batch(module), *lora]
     weights, rewards = [], []
     for processes in (1, 2):
@@ -89,7 +90,7 @@ def test_a_two_process_run_resumes_to_the_same_weights(module, tiny_model, copy_
     the optimizer state re-sharded from the full copy, PPO's critic too): bit-identical weights after step 3."""
     argv = [module.__file__, "--model", tiny_model, "--task", copy_task, "--steps", "3", "--save-every", "1",
             "--keep-checkpoints", "0", "--eval-every", "0", "--max-new-tokens", "4", "--learning-rate", "1e-3",
-            "--output-dir", "ckpt", *batch(module)]
+            "--dtype", "float32", "--output-dir", "ckpt", *batch(module)]
     (tmp_path / "whole").mkdir()
     launch(argv, tmp_path / "whole", 2)
     (run_dir,) = glob.glob(str(tmp_path / "whole" / "ckpt" / "*"))
@@ -109,19 +110,21 @@ def test_a_two_process_run_resumes_to_the_same_weights(module, tiny_model, copy_
 @pytest.mark.parametrize("module", [grpo, ppo])
 def test_after_set_up_each_process_holds_its_share_of_the_weights(module, tiny_model, copy_task, tmp_path):
     """Two processes, --dtype bfloat16: every model is loaded on the CPU, never whole on a device, and after sharding
-    each process holds half of the float32 policy (and of PPO's critic) and half of the bf16 reference model, as
-    docs/distributed.md counts it."""
+    each process holds half of the float32 policy (and of PPO's critic) and half of the reference model (its linear
+    layers in bf16, the rest float32), as docs/distributed.md counts it."""
     argv = [os.path.join(ROOT, "tests", "fixed_rollouts.py"), module.__name__, "--model", tiny_model, "--task",
             copy_task, "--steps", "1", "--eval-every", "0", "--output-dir", "ckpt", "--dtype", "bfloat16",
             "--beta", "0.1", *batch(module)]
     launch(argv, tmp_path, 2, REPORT_SHARDS=str(tmp_path / "shards"))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))  # (no biases)
     ranks = []
     for rank in (0, 1):
         with open(tmp_path / f"shards.{rank}.json") as f:
             ranks.append(json.load(f))  # reference, (PPO's critic,) policy: in the order main shards them
     for records in ranks:
         assert len(records) == 2 + (module is ppo) and all(r["loaded_on"] == "cpu" for r in records)
-        assert records[0]["full"] == records[-1]["full"] // 2  # the reference in bf16, the policy in float32
+        assert records[0]["full"] == records[-1]["full"] - 2 * linear  # the reference's linear layers in bf16
         for r in records:  # a shard is half of each parameter's rows, the first rank taking the odd one
             assert 0.45 * r["full"] <= r["local"] <= 0.55 * r["full"], r
     for first, second in zip(*ranks):

@@ -49,6 +49,7 @@ def test_two_step_run_logs_metrics_and_saves_a_loadable_checkpoint(module, tiny_
                         "--log-completions-every", "1", "--save-every", "1", "--output-dir", "ckpt", *TINY,
                         *OWN_ARGS.get(module.__name__, []), cwd=str(tmp_path))
     assert result.returncode == 0
+    assert result.stdout.startswith("precision: ") and "--dtype auto: this CPU" in result.stdout.splitlines()[0]
     scalars, texts = read_run(str(tmp_path))
     for tag in SHARED_METRICS + OWN_METRICS[module.__name__]:
         assert tag in scalars, tag
@@ -87,7 +88,7 @@ def test_micro_batching_changes_neither_the_update_nor_the_logged_statistics(mod
         monkeypatch.chdir(tmp_path / micro)
         argv = ["--model", tiny_model, "--task", copy_task, "--steps", "1", "--eval-every", "0", "--num-iterations",
                 "2", "--num-minibatches", "2", "--micro-batch-size", micro, "--learning-rate", "1.0",
-                "--output-dir", "ckpt", *TINY, "--num-prompts", "8", "--group-size", "8",
+                "--output-dir", "ckpt", "--dtype", "float32", *TINY, "--num-prompts", "8", "--group-size", "8",
                 *OWN_ARGS.get(module.__name__, [])]
         module.main(tyro.cli(module.Args, args=argv))
         (last,) = glob.glob("ckpt/*/step_1")

@@ -38,17 +38,18 @@ def train(module, cwd, argv, monkeypatch) -> None:
     module.main(tyro.cli(module.Args, args=argv))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("lora", [[], ["--lora-rank", "2", "--beta", "0.1"]], ids=["full", "lora"])
 @pytest.mark.parametrize("module", MODULES)
-def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(module, lora, tiny_model, copy_task, tmp_path,
-                                                                      monkeypatch):
+def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(module, lora, dtype, tiny_model, copy_task,
+                                                                      tmp_path, monkeypatch):
     """4 steps in one go, against 2 steps resumed from the step-2 checkpoint: weights (with LoRA: the adapter, and the
     merged model the last checkpoint holds), optimizer state (and PPO's critic) bit-identical on CPU, and TensorBoard
-    holds each step once, with the same values."""
+    holds each step once, with the same values; in float32 and in bf16 compute."""
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     whole.mkdir()
     argv = small_run(module, tiny_model, copy_task, "--steps", "4", "--save-every", "2", "--keep-checkpoints", "0",
-                     "--learning-rate", "1e-3", "--eval-every", "2", *lora)
+                     "--learning-rate", "1e-3", "--eval-every", "2", "--dtype", dtype, *lora)
     train(module, whole, argv, monkeypatch)
     (run_dir,) = glob.glob(str(whole / "ckpt" / "*"))
     shutil.copytree(whole, resumed)

@@ -4,6 +4,7 @@ micro-batches of whole groups, one `compute_policy_loss` signature, and the plum
 
 import glob
 import inspect
+import math
 import os
 import re
 
@@ -12,7 +13,7 @@ import torch
 import tyro
 from conftest import MODULES, OWN_ARGS, ScriptedRewards
 from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GPT2Config, GPT2LMHeadModel,
-                          LlamaConfig, LlamaForCausalLM)
+                          LlamaConfig, LlamaForCausalLM, LogitsProcessorList, TopPLogitsWarper)
 
 CPU = torch.device("cpu")
 
@@ -49,7 +50,7 @@ class FixedGenerator(torch.nn.Module):
     def forward(self, input_ids, attention_mask, position_ids, use_cache, cache, logits_to_keep):  # the prompt pass
         self.prompt_rows = len(input_ids)
 
-    def generate(self, input_ids, attention_mask, generation_config, synced_gpus, cache):
+    def generate(self, input_ids, attention_mask, generation_config, logits_processor, synced_gpus, cache):
         assert synced_gpus is False  # ranks decode on their own (the weights are gathered first)
         return torch.cat([input_ids, self.completions], 1)
 
@@ -61,7 +62,7 @@ def test_sample_masks_up_to_first_eos_and_marks_truncation(module, model_and_tok
     completions = [[5, eos, pad, pad], [5, 6, 7, 8], [eos, 5, eos, pad], [5, 6, 7, eos]]
     generator = FixedGenerator(completions)
     config = GenerationConfig(eos_token_id=[eos])
-    out, attention, mask, truncated, texts = module.sample(generator, tokenizer, [[9], [9, 9]], 2, config)
+    out, attention, mask, truncated, texts = module.sample(generator, tokenizer, [[9], [9, 9]], 2, config, None)
     assert generator.prompt_rows == 2  # each prompt computed once, then repeated for its 2 completions
     assert out.shape == (4, 6) and out[:, :2].tolist() == [[pad, 9], [pad, 9], [9, 9], [9, 9]]  # repeat_interleave
     assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1]]
@@ -112,7 +113,7 @@ def test_greedy_sampling_ignores_the_checkpoints_generation_config(module, model
                               eos_token_id=eos_ids)
     prompts = [tokenizer("12+3=").input_ids, tokenizer("7").input_ids]
     torch.manual_seed(0)
-    out, attention_mask, completion_mask, _, _ = module.sample(model, tokenizer, prompts, 2, greedy)
+    out, attention_mask, completion_mask, _, _ = module.sample(model, tokenizer, prompts, 2, greedy, None)
     T = completion_mask.shape[1]
     assert T == 12 or not completion_mask.all()  # no max_new_tokens=2 from the saved config
     with torch.no_grad():
@@ -125,6 +126,29 @@ def test_greedy_sampling_ignores_the_checkpoints_generation_config(module, model
     assert torch.equal(out[0], out[1])  # greedy: the two copies of a prompt agree
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+@pytest.mark.parametrize("module", MODULES)
+def test_the_draw_follows_softmax_of_logits_over_temperature_in_the_top_p_nucleus(module, top_p):
+    """200,000 draws from 4 rows of 5 tokens: each token's frequency within 0.005 (over 4 standard errors) of its
+    probability under softmax(logits / 0.7), renormalised over the nucleus that transformers' own top-p keeps; the
+    tokens outside it never drawn; and all that generate keeps is the drawn token (-inf elsewhere)."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0], [0.0, 0.1, 0.2, 0.3, 0.4], [5.0, 0.0, 0.1, 0.2, -9.0],
+                           [0.3, 0.2, 0.1, 0.0, 1.0]])  # (no ties, where top-p could keep either token)
+    expected = torch.softmax(logits / 0.7, -1)
+    if top_p < 1:
+        kept = TopPLogitsWarper(top_p)(None, logits / 0.7) > -math.inf
+        expected = expected * kept / (expected * kept).sum(-1, keepdim=True)
+    draw, counts = module.SoftmaxDraw(0.7, top_p), torch.zeros(4, 5)
+    torch.manual_seed(0)
+    for _ in range(2000):
+        scores = draw(None, logits.repeat(25, 1))  # (100, 5)
+        assert ((scores == 0).sum(-1) == 1).all() and ((scores == 0) | (scores == -math.inf)).all()
+        counts += (scores == 0).view(25, 4, 5).sum(0)
+    frequencies = counts / counts.sum(-1, keepdim=True)
+    assert (frequencies - expected).abs().max() < 0.005
+    assert (counts[expected == 0] == 0).all()
+
+
 @pytest.mark.parametrize("module", MODULES)
 def test_each_prompt_runs_once_in_sampling_and_the_draws_are_those_of_plain_generate(module, tiny_model):
     """`sample` runs each prompt once and copies its keys and values to its `repeat` rows before decoding: with the
@@ -132,8 +156,9 @@ def test_each_prompt_runs_once_in_sampling_and_the_draws_are_those_of_plain_gene
     logits."""
     tokenizer, model = module.load_model(tiny_model)
     eos_ids = model.generation_config.eos_token_id
-    config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, max_new_tokens=10,
-                              pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)
+    config = GenerationConfig(do_sample=False, max_new_tokens=10, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=eos_ids)
+    draw = module.SoftmaxDraw(1.0, 1.0)
     prompts = [tokenizer(text).input_ids for text in ["7", "1+2=", "12+34=?"]]  # 2, 5 and 8 tokens
     generate, logits = model.generate, []
 
@@ -144,12 +169,13 @@ def test_each_prompt_runs_once_in_sampling_and_the_draws_are_those_of_plain_gene
 
     model.generate = generate_keeping_logits
     torch.manual_seed(0)
-    out, _, completion_mask, _, _ = module.sample(model, tokenizer, prompts, 3, config)
+    out, _, completion_mask, _, _ = module.sample(model, tokenizer, prompts, 3, config, draw)
     width = max(map(len, prompts))
     input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts]).repeat_interleave(3, 0)
     prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]).repeat_interleave(3, 0)
     torch.manual_seed(0)
-    expected = model.eval().generate(input_ids=input_ids, attention_mask=prompt_mask, generation_config=config)
+    expected = model.eval().generate(input_ids=input_ids, attention_mask=prompt_mask, generation_config=config,
+                                     logits_processor=LogitsProcessorList([draw]))
     assert completion_mask.sum(1).max() >= 5  # completions long enough to tell wrong keys and values apart
     assert torch.equal(out, expected)
     assert torch.allclose(logits[0], logits[1], atol=1e-5)
@@ -251,7 +277,8 @@ def test_the_plumbing_sample_and_evaluate_are_identical_in_all_four_scripts():
         with open(m.__file__) as f:
             source = f.read()
         shared[m.__name__] = (source[re.search(r"^# -+ plumbing", source, re.M).start():],
-                              inspect.getsource(m.sample), inspect.getsource(m.evaluate))
+                              inspect.getsource(m.SoftmaxDraw), inspect.getsource(m.sample),
+                              inspect.getsource(m.evaluate))
     assert len(set(shared.values())) == 1 and len(shared["grpo"][0].splitlines()) > 300, "see diff grpo.py ppo.py"
 
 

@@ -1,0 +1,132 @@
+"""Low precision, exact where the maths is: before any update every ratio is exactly 1, nothing is clipped and the
+KL to the reference is exactly 0, in bf16 as in float32, with and without gradient checkpointing, on one process and
+two; a later mini-batch's old log-probs are those of the weights before the step's first update; --dtype auto picks
+bf16 where the hardware multiplies it natively."""
+
+import glob
+import os
+
+import pytest
+import torch
+import tyro
+from conftest import MODULES, OWN_ARGS, ScriptedRewards, read_run, run_script
+from safetensors.torch import load_file
+from test_distributed import launch
+
+import grpo
+
+CONTRAST = [1, 0, 0, 1] * 4  # scripted correctness: every group of 4 has contrast, so every advantage is non-zero
+# 4 prompts x 4 completions in 2 mini-batches of 2 groups, ragged micro-batches of 3 rows
+STEP = ["--steps", "1", "--eval-every", "0", "--num-prompts", "4", "--group-size", "4", "--num-minibatches", "2",
+        "--micro-batch-size", "3", "--max-new-tokens", "8", "--beta", "0.04", "--output-dir", "ckpt"]
+EXACT = {"losses/ratio_mean": 1.0, "losses/clip_fraction": 0.0, "losses/kl": 0.0}
+
+
+def first_step(module, tiny_model, copy_task, tmp_path, monkeypatch, *argv) -> tuple[dict, dict]:
+    """One step of module.main with scripted rewards; its logged losses and the weights it saved."""
+    monkeypatch.setattr(module.rewards, "score", ScriptedRewards([CONTRAST]))
+    monkeypatch.chdir(tmp_path)
+    module.main(tyro.cli(module.Args, args=["--model", tiny_model, "--task", copy_task, *STEP,
+                                            *OWN_ARGS.get(module.__name__, []), *argv]))
+    (checkpoint,) = glob.glob(str(tmp_path / "ckpt" / "*" / "step_1"))
+    scalars = {tag: values[0][1] for tag, values in read_run(str(tmp_path))[0].items()}
+    return scalars, load_file(os.path.join(checkpoint, "model.safetensors"))
+
+
+@pytest.mark.parametrize("checkpointing", [[], ["--gradient-checkpointing"]], ids=["shared_prompt", "checkpointing"])
+@pytest.mark.parametrize("module", MODULES)
+def test_before_any_update_every_ratio_is_1_nothing_is_clipped_and_the_kl_is_0(module, checkpointing, tiny_model,
+                                                                                 copy_task, tmp_path, monkeypatch):
+    """bf16 compute; lr 1e-30 moves no float32 weight (AdamW's weight decay included: checked), so the second
+    mini-batch trains on the weights its old log-probs were computed with, and the reference is the policy."""
+    scalars, weights = first_step(module, tiny_model, copy_task, tmp_path, monkeypatch, "--dtype", "bfloat16",
+                                  "--learning-rate", "1e-30", *checkpointing)
+    initial = load_file(os.path.join(tiny_model, "model.safetensors"))
+    assert all(torch.equal(weights[k], initial[k]) for k in initial)
+    assert {tag: scalars[tag] for tag in EXACT} == EXACT
+    if module.__name__ == "ppo":  # V_old is computed as the training pass computes V
+        assert scalars["losses/value_clip_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_after_the_first_update_ratios_and_the_kl_move(module, tiny_model, copy_task, tmp_path, monkeypatch):
+    """The same step at a real learning rate: the second mini-batch sees the first's update."""
+    scalars, _ = first_step(module, tiny_model, copy_task, tmp_path, monkeypatch, "--dtype", "bfloat16",
+                            "--learning-rate", "1e-2")
+    assert scalars["losses/kl"] > 0 and scalars["losses/ratio_mean"] != 1.0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("module", MODULES)
+def test_old_log_probs_are_those_of_the_weights_before_the_first_update(module, dtype, tiny_model, copy_task,
+                                                                        tmp_path, monkeypatch):
+    """Every training micro-batch's pi_old, recomputed on its rows from a fresh copy of the initial weights: equal
+    bit for bit, though after the first update the current log-probs of the second mini-batch differ from it (a loop
+    that took the current log-probs, detached, as pi_old everywhere fails here)."""
+    token_logprobs, compute_policy_loss, trained, compared = module.token_logprobs, module.compute_policy_loss, [], []
+
+    def recording_token_logprobs(model, input_ids, attention_mask, *rest):  # the training passes' rows
+        if torch.is_grad_enabled():
+            trained.append((input_ids, attention_mask, *rest[:2]))
+        return token_logprobs(model, input_ids, attention_mask, *rest)
+
+    def recording_policy_loss(logprobs, old_logprobs, *rest):
+        compared.append((logprobs.detach(), old_logprobs))
+        return compute_policy_loss(logprobs, old_logprobs, *rest)
+
+    monkeypatch.setattr(module, "token_logprobs", recording_token_logprobs)
+    monkeypatch.setattr(module, "compute_policy_loss", recording_policy_loss)
+    first_step(module, tiny_model, copy_task, tmp_path, monkeypatch, "--dtype", dtype, "--learning-rate", "1e-2",
+               "--beta", "0")
+    _, initial = module.load_model(tiny_model)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+    assert len(trained) == len(compared) == 6  # 2 mini-batches of 8 rows, in micro-batches of 3, 3 and 2
+    for (input_ids, attention_mask, T, temperature), (logprobs, old_logprobs) in zip(trained, compared):
+        with torch.no_grad(), autocast:
+            assert torch.equal(old_logprobs, token_logprobs(initial, input_ids, attention_mask, T, temperature)[0])
+    assert all(torch.equal(logprobs, old) for logprobs, old in compared[:3])  # mini-batch 1: before its update
+    assert not any(torch.equal(logprobs, old) for logprobs, old in compared[3:])
+
+
+@pytest.mark.parametrize("module", [grpo])
+def test_dtype_auto_is_bf16_where_the_hardware_multiplies_it_natively(module, monkeypatch):
+    """The CPU check is AVX-512 BF16 or AMX (not mkldnn's, which is true on plain AVX-512, where bf16 is emulated);
+    on CUDA, native bf16 (no emulation: a V100 gets float32)."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for avx512_bf16, amx, expected in [(True, False, torch.bfloat16), (False, True, torch.bfloat16),
+                                       (False, False, torch.float32)]:
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+        assert module.compute_dtype("auto", cpu)[0] == expected
+        assert module.compute_dtype("float32", cpu)[0] == torch.float32
+    for native, expected in [(True, torch.bfloat16), (False, torch.float32)]:
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation: native)
+        dtype, why = module.compute_dtype("auto", cuda)
+        assert dtype == expected and "GPU" in why
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", [[], ["--gradient-checkpointing"]], ids=["shared_prompt", "checkpointing"])
+@pytest.mark.parametrize("module", MODULES)
+def test_the_real_model_before_any_update_in_bf16(module, checkpointing, tmp_path):
+    """SmolLM2-135M-Instruct, each script's defaults but --beta 0.04 and 16 new tokens, lr 1e-30, bf16."""
+    result = run_script(module, "--steps", "1", "--eval-every", "0", "--max-new-tokens", "16", "--beta", "0.04",
+                        "--dtype", "bfloat16", "--learning-rate", "1e-30", "--output-dir", "ckpt", *checkpointing,
+                        *OWN_ARGS.get(module.__name__, []), cwd=str(tmp_path))
+    assert result.returncode == 0
+    scalars = {tag: values[0][1] for tag, values in read_run(str(tmp_path))[0].items()}
+    assert {tag: scalars[tag] for tag in EXACT} == EXACT
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", MODULES)
+def test_two_processes_before_any_update_in_bf16(module, tiny_model, copy_task, tmp_path):
+    """Under torchrun (FSDP2, gloo): each process's ratios, clipping and KL are exact too."""
+    argv = [module.__file__, "--model", tiny_model, "--task", copy_task, *STEP, "--dtype", "bfloat16",
+            "--learning-rate", "1e-30", *OWN_ARGS.get(module.__name__, [])]
+    launch(argv, tmp_path, 2)
+    scalars = {tag: values[0][1] for tag, values in read_run(str(tmp_path))[0].items()}
+    assert {tag: scalars[tag] for tag in EXACT} == EXACT
+    (checkpoint,) = glob.glob(str(tmp_path / "ckpt" / "*" / "step_1"))
+    weights, initial = [load_file(os.path.join(path, "model.safetensors")) for path in (checkpoint, tiny_model)]
+    assert all(torch.equal(weights[k], initial[k]) for k in initial)
