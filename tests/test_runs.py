@@ -51,7 +51,7 @@ def test_two_step_run_logs_metrics_and_saves_a_loadable_checkpoint(module, tiny_
     assert result.returncode == 0
     assert result.stdout.startswith("precision: ") and "--dtype auto: this CPU" in result.stdout.splitlines()[0]
     scalars, texts = read_run(str(tmp_path))
-    for tag in SHARED_METRICS + OWN_METRICS[module.__name__]:
+    for tag in SHARED_METRICS + OWN_METRICS.get(module.__name__, []):
         assert tag in scalars, tag
         assert all(torch.isfinite(torch.tensor(v)) for _, v in scalars[tag])
     assert [s for s, _ in scalars["charts/reward_mean"]] == [1, 2]
@@ -78,9 +78,14 @@ def test_micro_batching_changes_neither_the_update_nor_the_logged_statistics(mod
                                                                              monkeypatch):
     """Same seed, same samples: micro-batches of 32 (the whole mini-batch) and of 5 (ragged, of different lengths)
     give the same weights, and the same logged loss statistics, each micro-batch weighted as the loss weighs it
-    (an unweighted mean of micro-batch means over-weights the short completions). Runs main() in-process with SGD in
-    place of AdamW, whose first step is nearly sign(g) and so would turn float rounding in near-zero gradients into
-    differences of a whole learning rate."""
+    (an unweighted mean of micro-batch means over-weights the short completions)."""
+    check_micro_batch_invariance(module, tiny_model, copy_task, tmp_path, monkeypatch)
+
+
+def check_micro_batch_invariance(module, tiny_model, copy_task, tmp_path, monkeypatch):
+    """The test above, for any script (tests/test_fork.py runs it on the forks of docs/fork.md). Runs main()
+    in-process with SGD in place of AdamW, whose first step is nearly sign(g) and so would turn float rounding in
+    near-zero gradients into differences of a whole learning rate."""
     monkeypatch.setattr(torch.optim, "AdamW", lambda params, lr, **options: torch.optim.SGD(params, lr=lr))
     weights, statistics = [], []
     for micro in ["32", "5"]:

@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import rewards
@@ -54,6 +55,9 @@ def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(module, lor
     (run_dir,) = glob.glob(str(whole / "ckpt" / "*"))
     shutil.copytree(whole, resumed)
     shutil.rmtree(resumed / "ckpt" / os.path.basename(run_dir) / "step_4")  # as if stopped after step 2
+    # TensorBoard reads a run's event files in the order of their names, which begin with the second each was
+    # opened in and end with a counter: a tiny run resumed within the same second could sort before the first
+    time.sleep(1)
     train(module, resumed, ["--resume", os.path.join("ckpt", os.path.basename(run_dir), "latest")], monkeypatch)
 
     checkpoints = [os.path.join(root, "ckpt", os.path.basename(run_dir), "step_4") for root in (whole, resumed)]

@@ -62,13 +62,14 @@ def test_sample_masks_up_to_first_eos_and_marks_truncation(module, model_and_tok
     completions = [[5, eos, pad, pad], [5, 6, 7, 8], [eos, 5, eos, pad], [5, 6, 7, eos]]
     generator = FixedGenerator(completions)
     config = GenerationConfig(eos_token_id=[eos])
-    out, attention, mask, truncated, texts = module.sample(generator, tokenizer, [[9], [9, 9]], 2, config, None)
+    batch = module.sample(generator, tokenizer, [[9], [9, 9]], 2, config, None)
+    out, attention, mask = batch.input_ids, batch.attention_mask, batch.completion_mask
     assert generator.prompt_rows == 2  # each prompt computed once, then repeated for its 2 completions
     assert out.shape == (4, 6) and out[:, :2].tolist() == [[pad, 9], [pad, 9], [9, 9], [9, 9]]  # repeat_interleave
     assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1]]
-    assert truncated.tolist() == [False, True, False, False]
+    assert batch.truncated.tolist() == [False, True, False, False]
     assert attention[:, :2].tolist() == [[0, 1], [0, 1], [1, 1], [1, 1]]
-    assert texts == ["1", "1234", "", "123"]  # cut at the first EOS; ids 4.. are "0123..."
+    assert batch.completions == ["1", "1234", "", "123"]  # cut at the first EOS; ids 4.. are "0123..."
 
 
 @pytest.mark.parametrize("module", MODULES)
@@ -113,7 +114,8 @@ def test_greedy_sampling_ignores_the_checkpoints_generation_config(module, model
                               eos_token_id=eos_ids)
     prompts = [tokenizer("12+3=").input_ids, tokenizer("7").input_ids]
     torch.manual_seed(0)
-    out, attention_mask, completion_mask, _, _ = module.sample(model, tokenizer, prompts, 2, greedy, None)
+    batch = module.sample(model, tokenizer, prompts, 2, greedy, None)
+    out, attention_mask, completion_mask = batch.input_ids, batch.attention_mask, batch.completion_mask
     T = completion_mask.shape[1]
     assert T == 12 or not completion_mask.all()  # no max_new_tokens=2 from the saved config
     with torch.no_grad():
@@ -169,7 +171,8 @@ def test_each_prompt_runs_once_in_sampling_and_the_draws_are_those_of_plain_gene
 
     model.generate = generate_keeping_logits
     torch.manual_seed(0)
-    out, _, completion_mask, _, _ = module.sample(model, tokenizer, prompts, 3, config, draw)
+    batch = module.sample(model, tokenizer, prompts, 3, config, draw)
+    out, completion_mask = batch.input_ids, batch.completion_mask
     width = max(map(len, prompts))
     input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts]).repeat_interleave(3, 0)
     prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]).repeat_interleave(3, 0)
@@ -277,8 +280,8 @@ def test_the_plumbing_sample_and_evaluate_are_identical_in_all_four_scripts():
         with open(m.__file__) as f:
             source = f.read()
         shared[m.__name__] = (source[re.search(r"^# -+ plumbing", source, re.M).start():],
-                              inspect.getsource(m.SoftmaxDraw), inspect.getsource(m.sample),
-                              inspect.getsource(m.evaluate))
+                              inspect.getsource(m.Batch), inspect.getsource(m.SoftmaxDraw),
+                              inspect.getsource(m.sample), inspect.getsource(m.evaluate))
     assert len(set(shared.values())) == 1 and len(shared["grpo"][0].splitlines()) > 300, "see diff grpo.py ppo.py"
 
 
