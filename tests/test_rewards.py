@@ -1,7 +1,9 @@
 import builtins
 import itertools
+import json
 import os
 import re
+import string
 import sys
 import threading
 import time
@@ -9,8 +11,11 @@ import types
 from fractions import Fraction
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
 import rewards
 
@@ -296,3 +301,142 @@ def test_hub_record_without_a_field_is_named(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", fake)
     with pytest.raises(ValueError, match="--task someone/gaps: train record 5 has no field 'answer'"):
         rewards.load_task("someone/gaps")
+
+
+@pytest.mark.parametrize(
+    "completion, answer, expected",
+    [("\\boxed{2x - y + 3z + 8 = 0}", "2x - y + 3z + 8 = 0", 1.0),  # MATH's planes, lines and conics
+     ("\\boxed{x^2 + y^2 = 25}", "x^2+y^2=25", 1.0), ("The circle is \\boxed{x^2+y^2=25}.", "x^2 + y^2 = 25", 1.0),
+     ("\\boxed{x^2 + y^2 = 26}", "x^2+y^2=25", 0.0), ("\\boxed{25}", "x^2+y^2=25", 0.0),
+     ("\\boxed{y = 2x + 3}", "y = 2x + 3", 1.0), ("\\boxed{5}", "x = 5", 1.0),
+     # a number reference still takes the value of `expr = value`, and never the restated question
+     ("\\boxed{20 + 23 = 43}", "43", 1.0), ("\\boxed{20 + 23}", "43", 0.0), ("<answer>3 * 4 = 12</answer>", "12", 1.0)],
+)
+def test_an_equation_answer_is_compared_with_an_equation_reference(completion, answer, expected):
+    assert rewards.correctness_reward([completion], [answer]) == [expected]
+
+
+@pytest.mark.parametrize(
+    "completion, answer, extracted",
+    [("So she pays 18, total.", "18", "18"), ("It costs 1,200, all told.", "1200", "1,200"), ("then 3,", "3", "3"),
+     ("first 3, then 1,200 apples", "1200", "1,200")],  # a thousands comma is still part of the number
+)
+def test_the_last_number_drops_a_trailing_comma(completion, answer, extracted):
+    assert rewards.extract_answer(completion) == extracted
+    assert rewards.correctness_reward([completion], [answer]) == [1.0]
+
+
+@pytest.mark.parametrize(
+    "completion, answer, expected",
+    [("\\boxed{5 \\text{ cm}}", "\\text{5 cm}", 1.0), ("\\boxed{5\\text{cm}}", "\\text{5 cm}", 1.0),
+     ("\\boxed{5\\,\\text{cm}}", "\\text{5 cm}", 1.0), ("\\boxed{\\text{5 cm}}", "5 \\text{ cm}", 1.0),
+     ("\\boxed{\\text{(C)}}", "(C)", 1.0), ("\\boxed{6 \\text{ cm}}", "\\text{5 cm}", 0.0),
+     ("\\boxed{5 \\text{ m}}", "\\text{5 cm}", 0.0),
+     ("\\boxed{4 2}", "42", 0.0)],  # a number reference still wants one number
+)
+def test_units_in_text_compare_whatever_the_spacing(completion, answer, expected):
+    assert rewards.correctness_reward([completion], [answer]) == [expected]
+
+
+@pytest.mark.parametrize("number, value", [("1.5/2", "0.75"), (".3/4", "0.075"), ("2.5/5", "0.5")])
+def test_a_decimal_over_a_number_never_raises(number, value):
+    """`1.5/2` is a plain number to PLAIN_NUMBER_RE but not to Fraction(), which raised out of the reward (and out of
+    the scripts' evaluation, which calls it unguarded); math-verify reads it."""
+    assert rewards.parse_number(number) is None
+    completions = [f"\\boxed{{{number}}}", f"<answer>{number}</answer>"]
+    assert rewards.correctness_reward(completions, ["7", "7"]) == [0.0, 0.0]
+    assert rewards.correctness_reward(completions, [value, value]) == [1.0, 1.0]
+
+
+MATH_SOLUTIONS = [f"We halve {i}: $x = \\frac{{{i}}}{{2}}$, so the answer is $\\boxed{{\\frac{{{i}}}{{2}}}}$."
+                  for i in range(1, 9)]
+
+
+def test_a_reference_holding_a_whole_solution_is_graded_by_its_boxed_answer(tmp_path):
+    """MATH's `solution` field is the worked solution; the graded answer is its last `\\boxed{}` (open-r1 and verl
+    read it so). GSM8K's '####' answers are not counted as reduced."""
+    rows = [{"problem": f"Halve {i}.", "solution": solution} for i, solution in enumerate(MATH_SOLUTIONS, 1)]
+    rows += [{"problem": "Count.", "solution": "One, two.\n#### 2"}, {"problem": "Box it.", "solution": "\\boxed{}"}]
+    path = tmp_path / "math.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in rows))
+    task = rewards.load_task(str(path), prompt_field="problem", answer_field="solution")
+    answers = [record["answer"] for record in task.train + task.test]
+    assert answers == [f"\\frac{{{i}}}{{2}}" for i in range(1, 9)] + ["2", "\\boxed{}"]
+    assert task.references_reduced == 8
+    completions = ["so \\boxed{\\dfrac{3}{2}}", "\\boxed{1.5}", "\\boxed{3}"]
+    assert task.correctness(completions, answers[2:3] * 3) == [1.0, 1.0, 0.0]
+
+
+GOOD = ["\\boxed{3}", "\\boxed{4}", "so 3", "\\boxed{5}"]
+
+
+def test_preflight_says_how_many_references_were_reduced_to_their_boxed_answer(capsys):
+    records = [{"prompt": "p", "answer": "1"}] * 5
+    task = rewards.Task(records[:4], records[4:], references_reduced=4)
+    args = (torch.tensor([1.2, 0.2, 1.0, 1.0]), torch.tensor([False] * 4))
+    assert rewards.preflight(GOOD, *args, task, 2, 48, 0, True) == []
+    assert "references reduced to their \\boxed{} answer (the answer field held a whole solution): 4 of 5\n" in (
+        capsys.readouterr().out)
+    rewards.preflight(GOOD, *args, rewards.Task(records[:4], records[4:]), 2, 48, 0, True)
+    assert "references reduced" not in capsys.readouterr().out
+
+
+def char_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:
+    """One token per printable character (tests/conftest.py's tokenizer, with a wider alphabet)."""
+    vocab = {token: i for i, token in enumerate(["<pad>", "<unk>", *string.printable])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), "isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>")
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_encode_prompts_puts_the_system_prompt_before_each_text_prompt():
+    records = [{"prompt": "What is 2 + 3?", "answer": "5"},
+               {"prompt": [{"role": "user", "content": "Hi"}], "answer": "1"}]  # chat messages: used as they are
+    chat = char_tokenizer(CHAT_TEMPLATE)
+
+    def decoded(tokenizer):
+        return [tokenizer.decode(record["prompt_ids"], clean_up_tokenization_spaces=False) for record in records]
+
+    assert rewards.encode_prompts(chat, records, 1000, system_prompt="Answer in <answer> tags.") == 0
+    assert decoded(chat) == ["<system>Answer in <answer> tags.\n<user>What is 2 + 3?\n<assistant>",
+                             "<user>Hi\n<assistant>"]
+    rewards.encode_prompts(chat, records, 1000)  # none: as before
+    assert decoded(chat) == ["<user>What is 2 + 3?\n<assistant>", "<user>Hi\n<assistant>"]
+    plain = char_tokenizer()  # no chat template: the system prompt is text, then a blank line
+    records.pop()
+    assert rewards.encode_prompts(plain, records, 1000, system_prompt="Be brief.") == 0
+    assert decoded(plain) == ["Be brief.\n\nWhat is 2 + 3?"]
+
+
+def test_resolve_system_prompt(monkeypatch):
+    """--system-prompt: "auto" gives reasoning-gym's own prompt to its tasks and none to the others, whose prompts
+    are unchanged; "none" none; a name of reasoning-gym's SYSTEM_PROMPTS that prompt; anything else itself."""
+    assert rewards.resolve_system_prompt("auto", "arithmetic") is None
+    assert rewards.resolve_system_prompt("auto", "openai/gsm8k") is None
+    assert rewards.resolve_system_prompt("none", "reasoning_gym:chain_sum") is None
+    assert rewards.resolve_system_prompt("Think, then answer.", "countdown") == "Think, then answer."
+    system_prompts = pytest.importorskip("reasoning_gym.utils").SYSTEM_PROMPTS
+    assert rewards.resolve_system_prompt("auto", "reasoning_gym:chain_sum") == system_prompts["default"]
+    assert "<answer>" in system_prompts["default"]
+    assert rewards.resolve_system_prompt("simple", "arithmetic") == system_prompts["simple"]
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "reasoning_gym.utils", None)
+    assert rewards.resolve_system_prompt("simple", "arithmetic") == "simple"
+
+
+def test_preflight_without_a_readable_answer_names_system_prompt_and_the_format_read(capsys):
+    """The chat model is named only when the tokenizer has no chat template."""
+    completions = ["no", "answer", "in", "these"]
+    args = (torch.tensor([0.0, 0.0, 0.0, 0.1]), torch.tensor([False] * 4), rewards.Task([], []), 2, 48, 0)
+    (warning,) = rewards.preflight(completions, *args, True)
+    assert "--system-prompt" in warning and "\\boxed{}" in warning and "<answer>...</answer>" in warning
+    assert "--task" in warning and "chat (instruct) --model" not in warning
+    (warning,) = rewards.preflight(completions, *args, False)
+    assert "--system-prompt" in warning and "chat (instruct) --model" in warning

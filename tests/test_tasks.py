@@ -3,6 +3,7 @@ reasoning-gym's procedural datasets. All offline."""
 import sys
 
 import pytest
+import torch
 
 import rewards
 
@@ -120,3 +121,22 @@ def test_a_dataset_that_cannot_make_a_task_is_a_one_line_error(tmp_path, file, r
     with pytest.raises(ValueError) as error:  # a .parquet file, or the folder of a split's file
         rewards.load_task(str(tmp_path / file) if "/" not in file else str(tmp_path))
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_math_style_dataset_is_graded_by_the_boxed_answer_of_its_solution(tmp_path, capsys):
+    """MATH's layout: `problem` and `solution`, a worked solution ending in its `\\boxed{}` answer. Each reference is
+    reduced to that answer when the task loads, and the preflight says how many were."""
+    path = tmp_path / "math.parquet"
+    solutions = [f"Since $2x = {i}$, we get $x = \\boxed{{\\frac{{{i}}}{{2}}}}$." for i in range(1, 21)]
+    pq.write_table(pa.table({"problem": [f"Solve 2x = {i}." for i in range(1, 21)], "solution": solutions}), path)
+    task = rewards.load_task(str(path), prompt_field="problem", answer_field="solution")
+    assert [r["answer"] for r in task.test] == ["\\frac{19}{2}", "\\frac{20}{2}"]
+    assert task.test[0]["prompt"] == f"Solve 2x = 19.\n{rewards.ANSWER_INSTRUCTION}"
+    assert task.references_reduced == 20
+    completions = ["so \\boxed{9.5}", "\\boxed{10}", "\\boxed{19}"]
+    references = ["\\frac{19}{2}", "\\frac{20}{2}", "\\frac{19}{2}"]
+    assert task.correctness(completions, references) == [1.0, 1.0, 0.0]
+    reward = torch.tensor([1.0, 0.0])
+    rewards.preflight(["\\boxed{1}", "\\boxed{2}"], reward, torch.tensor([False, False]), task, 2, 48, 0, True)
+    assert "references reduced to their \\boxed{} answer (the answer field held a whole solution): 20 of 20" in (
+        capsys.readouterr().out)
