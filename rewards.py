@@ -484,11 +484,21 @@ def to_record(row, prompt_field: str, answer_field: str, where: str) -> tuple[di
                 contents = f"it is a {type(row).__name__}"
             raise ValueError(f"{where} has no field {name!r} ({contents}; set --prompt-field / "
                              "--answer-field)")
-    answer = str(row[answer_field]).split("####")[-1].strip()
+    # a prompt to sample from, and an answer to grade against: text (or a number, as its text)
+    prompt = row[prompt_field]
+    text = isinstance(prompt, str) and prompt.strip() != ""
+    if not text and not (isinstance(prompt, list) and prompt):
+        raise ValueError(f"{where}: the prompt ({prompt_field!r}) is {json.dumps(prompt)[:40]}: "
+                         "it must be non-empty text or a list of chat messages")
+    answer = row[answer_field]
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise ValueError(f"{where}: the answer ({answer_field!r}) is {json.dumps(answer)[:40]}: "
+                         "it must be text or a number")
+    answer = str(answer).split("####")[-1].strip()
     boxed = last_boxed(answer)
     if boxed is not None:
         answer = boxed.strip()
-    return {"prompt": row[prompt_field], "answer": answer}, boxed is not None
+    return {"prompt": prompt, "answer": answer}, boxed is not None
 
 
 def hold_out(records: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -504,8 +514,14 @@ def jsonl_task(path: str, prompt_field: str, answer_field: str) -> Task:
         raise FileNotFoundError(f"--task {path}: no such file")
     records = []
     references_reduced = 0
-    with open(path) as file:
-        for number, line in enumerate(file, 1):
+    with open(path, "rb") as file:
+        for number, raw in enumerate(file, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                byte = raw[error.start : error.start + 1]
+                raise ValueError(f"--task {path}: line {number} is not UTF-8 text (byte "
+                                 f"{error.start + 1}: {byte!r})") from None
             if not line.strip():
                 continue
             try:
@@ -649,6 +665,14 @@ def load_task(
         return reasoning_gym_task(task.removeprefix(REASONING_GYM))
     if task.endswith(".jsonl"):
         return jsonl_task(task, prompt_field, answer_field)
+    # a file of another kind (task.json, task.csv): say what is read
+    extension = os.path.splitext(task)[1]
+    other_file = os.path.isfile(task) and extension != ".parquet"
+    if other_file or extension in (".json", ".csv", ".tsv", ".txt", ".arrow"):
+        raise ValueError(f"--task {task}: a {extension or 'plain'} file; tasks are read from "
+                         ".jsonl files (one JSON record a line), .parquet files, dataset folders "
+                         "in the Hub's layout, Hub dataset ids, arithmetic, countdown and "
+                         f"{REASONING_GYM}NAME")
     if "/" in task or task.endswith(".parquet") or os.path.isdir(task):
         return hub_task(task, prompt_field, answer_field)
     raise ValueError(f"--task {task!r}: not one of {BUILTIN_TASKS}, {REASONING_GYM}NAME, a .jsonl "

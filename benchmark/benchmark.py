@@ -7,6 +7,7 @@ back the arguments each run wrote (runs/{run_name}/args.json) and what it logged
     python benchmark/benchmark.py --preset gpu                      # Qwen2.5-0.5B-Instruct, 128 completions a step
     python benchmark/benchmark.py --seeds 1 2 3 --scripts grpo gspo   # any subset, any seeds
     python benchmark/benchmark.py --scripts grpo --dtypes auto float32  # the default precision against float32
+    python benchmark/benchmark.py --samplers hf vllm                # model.generate against vLLM (docs/vllm.md)
     python benchmark/benchmark.py --report-only --out benchmark/cpu   # redraw the tables and figure from runs there
 
 Floating-point work per step, from the logged token counts (each prompt counted once per group, no padding; the
@@ -59,6 +60,9 @@ class Args:
     dtypes: list[Literal["auto", "float32", "bfloat16"]] = field(default_factory=lambda: ["auto"])
     """the scripts' --dtype; every script runs once per seed and dtype, and with two or more the report compares
     each phase's time with float32's"""
+    samplers: list[Literal["hf", "vllm"]] = field(default_factory=lambda: ["hf"])
+    """the scripts' --sampler; every script runs once per seed, dtype and sampler, and with both the report compares
+    their sampling speed"""
     out: str = ""
     """output folder (default benchmark/{preset}): one folder per run, table.md and figure.png"""
     extra: str = ""
@@ -101,14 +105,15 @@ def run_logged(argv: list[str], folder: str, threads: int) -> int:
 def run_all(args: Args, preset: dict) -> None:
     """Every (script, seed) in its own folder under --out (runs/, checkpoints/, log.txt), `parallel` at a time."""
     def run(job):
-        name, dtype, seed = job
+        name, dtype, sampler, seed = job
         argv = [sys.executable, os.path.join(ROOT, f"{name}.py"), "--seed", str(seed), "--dtype", dtype,
-                *preset["common"], *preset["own"].get(name, []), *shlex.split(args.extra)]
-        folder = f"{name}_s{seed}" if dtype == "auto" else f"{name}-{dtype}_s{seed}"
-        run_logged(argv, os.path.join(args.out, folder), preset["threads"])
+                "--sampler", sampler, *preset["common"], *preset["own"].get(name, []), *shlex.split(args.extra)]
+        variant = ("" if dtype == "auto" else f"-{dtype}") + ("" if sampler == "hf" else f"-{sampler}")
+        run_logged(argv, os.path.join(args.out, f"{name}{variant}_s{seed}"), preset["threads"])
 
     with ThreadPoolExecutor(preset["parallel"]) as pool:
-        jobs = [(name, dtype, seed) for name in args.scripts for dtype in args.dtypes for seed in args.seeds]
+        jobs = [(name, dtype, sampler, seed) for name in args.scripts for dtype in args.dtypes
+                for sampler in args.samplers for seed in args.seeds]
         list(pool.map(run, sorted(jobs, key=lambda job: LONGEST_FIRST.index(job[0]))))
 
 
@@ -153,8 +158,8 @@ def read_runs(out: str) -> list[dict]:
                 said = re.search(r"^precision: (\w+) compute", f.read(), re.M)
             precision = said.group(1) if said else precision
         runs.append({"script": name.split("-")[0], "precision": precision, "seed": int(seed), "scalars": scalars,
-                     "args": args, "start": events.FirstEventTimestamp()})
-    return sorted(runs, key=lambda r: (SCRIPTS.index(r["script"]), r["precision"], r["seed"]))
+                     "args": args, "start": events.FirstEventTimestamp(), "sampler": args.get("sampler", "hf")})
+    return sorted(runs, key=lambda r: (SCRIPTS.index(r["script"]), r["precision"], r["sampler"], r["seed"]))
 
 
 def series(run: dict, tag: str) -> list[float]:
@@ -192,8 +197,10 @@ def report(args: Args, peak: float) -> str:
     if not runs:
         raise SystemExit(f"error: no runs in {args.out}")
     several = len({r["precision"] for r in runs}) > 1
+    samplers = len({r["sampler"] for r in runs}) > 1
     for run in runs:
-        run["label"] = f"{run['script']} {run['precision']}" if several else run["script"]
+        run["label"] = " ".join([run["script"], *([run["precision"]] if several else []),
+                                 *([run["sampler"]] if samplers else [])])
     n, layers, width = matmul_parameters(runs[0]["args"]["model"])
     preset = PRESETS[args.preset]
     quality = ["## Quality", "", "| script | seed | steps | held-out accuracy, first -> last eval |", "|" + "---|" * 4]
@@ -226,7 +233,8 @@ def report(args: Args, peak: float) -> str:
                        f"({min(after):.3f}-{max(after):.3f}) | {statistics.mean(change):+.3f} ({min(change):+.3f} to "
                        f"{max(change):+.3f}) | {sum(c >= 0.2 - 1e-9 for c in change)} of {len(curves)} |")
     figure(runs, os.path.join(args.out, "figure.png"))
-    return "\n".join(quality + [""] + speed + ([""] + precisions(runs) if several else [])) + "\n"
+    return "\n".join(quality + [""] + speed + ([""] + precisions(runs) if several else [])
+                     + ([""] + sampling(runs) if samplers else [])) + "\n"
 
 
 def precisions(runs: list[dict]) -> list[str]:
@@ -248,6 +256,26 @@ def precisions(runs: list[dict]) -> list[str]:
             ratios = [f"{v / b:.2f}x" if base and b > 0 else "-" for v, b in zip(values, base or values)]
             table.append(f"| {name} | {precision} | {values[0]:.2f} | {' / '.join(f'{v:.2f}' for v in values[2:])} "
                          f"| {1000 * values[1]:.1f} | {ratios[0]}, {ratios[1]} | {' / '.join(ratios[2:])} |")
+    return table
+
+
+def sampling(runs: list[dict]) -> list[str]:
+    """Each script's sampling speed with each sampler (means over steps and seeds, by precision), and over hf's."""
+    table = ["## Sampler", "", "| script | precision | sampler | sampled tok/s | sample s/step | s/step "
+             "| over hf: tok/s, sample s, step s |", "|" + "---|" * 7]
+    for name in dict.fromkeys(r["script"] for r in runs):
+        for precision in dict.fromkeys(r["precision"] for r in runs if r["script"] == name):
+            values = {}  # sampler: [tok/s, sample s, step s]
+            for sampler in ["hf", "vllm"]:
+                group = [r for r in runs if (r["script"], r["precision"], r["sampler"]) == (name, precision, sampler)]
+                if group:
+                    values[sampler] = [statistics.mean(v for r in group for v in series(r, f"charts/{tag}"))
+                                       for tag in ["sample_tokens_per_second", "time_sample", "step_seconds"]]
+            for sampler, (rate, sample, step) in values.items():
+                base = values.get("hf")
+                ratios = ", ".join(f"{v / b:.2f}x" for v, b in zip(values[sampler], base)) if base else "-"
+                table.append(f"| {name} | {precision} | {sampler} | {rate:.0f} | {sample:.2f} | {step:.2f} "
+                             f"| {ratios} |")
     return table
 
 

@@ -51,10 +51,11 @@ def expert_choices(model, input_ids, attention_mask, completion_mask) -> torch.T
 
 def tracked(rollouts, path: str):
     """`rollouts`, recording each batch's lengths by correctness and the change in its routing after the step."""
-    def wrapper(model, tokenizer, task, args, cursor, rank, world):
+    def wrapper(model, tokenizer, task, args, cursor, rank, world, *rest):
         previous = None  # the last batch's index, inputs and experts under the weights that sampled it
-        for index, batch in enumerate(rollouts(model, tokenizer, task, args, cursor, rank, world), 1):
-            input_ids, attention_mask, completion_mask, _, _, _, reward_parts, _ = batch
+        for index, batch in enumerate(rollouts(model, tokenizer, task, args, cursor, rank, world, *rest), 1):
+            input_ids, attention_mask, completion_mask = batch.input_ids, batch.attention_mask, batch.completion_mask
+            reward_parts = batch.reward_parts
             records = []
             if previous is not None and previous[2] is not None:  # the model now holds the last step's new weights
                 changed = (expert_choices(model, *previous[1]) != previous[2]).any(-1).float()  # (layers, tokens)

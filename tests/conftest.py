@@ -27,6 +27,9 @@ MODULES = [importlib.import_module(script.removesuffix(".py")) for script in SCR
 # DAPO's overlong buffer (12 tokens by default) must be shorter than --max-new-tokens; the tests generate 2 to 8
 # tokens, too few to shape by length, so it is off in them (tests/test_dapo.py checks the penalty itself)
 OWN_ARGS = {"dapo": ["--overlong-buffer", "0"]}
+# a check of code that is the same text in every script, run as a subprocess (4 s of start-up each): the default run
+# checks grpo.py, the slow run the others
+FIRST_FAST = [pytest.param(m, marks=[] if m is MODULES[0] else [pytest.mark.slow]) for m in MODULES]
 # One thread for the runs in this process: the tiny model gains nothing from two, and on a 2-core machine that other
 # work shares, two threads wait on each other (micro-batch invariance and a resumed run, 8 runs: 93 s with two threads,
 # 11 s with one, both under that load). The scripts run as subprocesses keep their default.
@@ -49,14 +52,19 @@ def pytest_make_parametrize_id(config, val, argname):
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("tiny_model"))
+    return save_tiny_model(str(tmp_path_factory.mktemp("tiny_model")))
+
+
+def save_tiny_model(path: str, hidden_size: int = 64) -> str:
+    """The tiny Llama (4 heads of hidden_size / 4) and its character tokenizer, saved in path."""
     vocab = {token: i for i, token in enumerate(SPECIALS + CHARS)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")  # one token per character
     backend.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
                                         eos_token="</s>", unk_token="<unk>")
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
                          pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     torch.manual_seed(0)  # the same tiny model in every session
@@ -75,10 +83,11 @@ def copy_task(tmp_path_factory) -> str:
     return path
 
 
-def run_script(module: ModuleType, *argv: str, cwd: str = ROOT, timeout: float = 600) -> subprocess.CompletedProcess:
+def run_script(module: ModuleType, *argv: str, cwd: str = ROOT, timeout: float = 600,
+               env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `python grpo.py argv...` (the script of `module`) in `cwd` (where runs/ is written), as a user would."""
     result = subprocess.run([sys.executable, module.__file__, *argv], capture_output=True, text=True, timeout=timeout,
-                            cwd=cwd)
+                            cwd=cwd, env=env)
     if result.returncode != 0:
         print(result.stdout[-3000:], result.stderr[-3000:])
     return result

@@ -4,7 +4,8 @@ one `error:` line before a model is loaded."""
 import os
 
 import pytest
-from conftest import MODULES, run_script
+import tyro
+from conftest import FIRST_FAST, MODULES, run_script
 
 import dapo
 import grpo
@@ -12,7 +13,7 @@ import gspo
 import ppo
 
 
-@pytest.mark.parametrize("module", MODULES)
+@pytest.mark.parametrize("module", FIRST_FAST)
 def test_help(module):
     result = run_script(module, "--help")
     assert result.returncode == 0
@@ -29,7 +30,7 @@ SHARED_BAD_INPUTS = [
     (["--task", "broken.jsonl"], "broken.jsonl: line 2 is not valid JSON"),
     (["--task", "no_answer.jsonl"], "no_answer.jsonl: line 3 has no field 'answer'"),
     (["--model", "no-such-org/no-such-model"], "Hugging Face Hub cannot be reached (offline?)"),
-    (["--resume", "nowhere"], "no complete checkpoint"), (["--learning-rate", "-1"], "--learning-rate"),
+    (["--resume", "nowhere"], "no whole checkpoint"), (["--learning-rate", "-1"], "--learning-rate"),
     (["--max-grad-norm", "0"], "--max-grad-norm"), (["--top-p", "1.5"], "--top-p"),
     (["--model", "./adapter"], "a LoRA adapter; continue it with --resume, or train merged/")]
 BAD_FILES = {"empty.jsonl": "", "broken.jsonl": '{"prompt": "1", "answer": "1"}\n{"prompt": "2", "answer"\n',
@@ -43,20 +44,80 @@ OWN_BAD_INPUTS = [
     (ppo, ["--critic-learning-rate", "-1"], "--critic-learning-rate"), (grpo, ["--clip-eps", "-0.2"], "--clip-eps"),
     (gspo, ["--clip-eps-high", "0"], "clip ranges"), (dapo, ["--clip-eps-low", "-1"], "clip ranges"),
     (grpo, ["--beta", "-1"], "--beta"), (dapo, ["--overlong-penalty", "-1"], "--overlong-penalty")]
-# Each run costs about 4 s, nearly all of it importing torch and transformers. The default run sends every bad input
-# once: the shared ones to grpo.py, whose checks the other scripts copy line for line; the slow run sends them to
-# the other three scripts too.
-BAD_INPUTS = [pytest.param(m, a, text, marks=() if m is grpo else pytest.mark.slow)
-              for m in MODULES for a, text in SHARED_BAD_INPUTS] + OWN_BAD_INPUTS
+# Each run costs about 4 s, nearly all of it importing torch and transformers: the default run sends every bad input
+# to `main` in-process, the slow run sends each to every script's command line, as a user would. A Hub id that
+# cannot be fetched fails as load_model tries it, offline at once only where HF_HUB_OFFLINE is set before the
+# import: the default run sends it to grpo.py's command line.
+HUB = (["--model", "no-such-org/no-such-model"], "Hugging Face Hub cannot be reached (offline?)")
+BAD_INPUTS = [pytest.param(m, a, text, marks=() if (m, (a, text)) == (grpo, HUB) else pytest.mark.slow)
+              for m in MODULES for a, text in SHARED_BAD_INPUTS] + [
+              pytest.param(*bad, marks=pytest.mark.slow) for bad in OWN_BAD_INPUTS]
+IN_PROCESS = [(grpo, a, text) for a, text in SHARED_BAD_INPUTS if (a, text) != HUB] + OWN_BAD_INPUTS
+
+
+def write_bad_files(folder) -> None:
+    for name, text in BAD_FILES.items():
+        (folder / name).parent.mkdir(exist_ok=True)
+        (folder / name).write_text(text)
+
+
+@pytest.mark.parametrize("module, argv, message", IN_PROCESS)
+def test_bad_input_stops_main_in_one_line_before_loading_a_model(module, argv, message, tmp_path, monkeypatch):
+    write_bad_files(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(module, "load_model", lambda *args: pytest.fail("the model loaded"))
+    with pytest.raises(SystemExit) as stopped:
+        module.main(tyro.cli(module.Args, args=argv))
+    assert str(stopped.value).startswith("error: ") and message in str(stopped.value)
+    assert "\n" not in str(stopped.value) and not os.path.exists(tmp_path / "runs")
 
 
 @pytest.mark.parametrize("module, argv, message", BAD_INPUTS)
 def test_bad_input_fails_in_one_line_before_loading_a_model(module, argv, message, tmp_path, monkeypatch):
-    for name, text in BAD_FILES.items():
-        (tmp_path / name).parent.mkdir(exist_ok=True)
-        (tmp_path / name).write_text(text)
+    write_bad_files(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network here either way; offline mode fails without retrying
     result = run_script(module, *argv, cwd=str(tmp_path))
     assert result.returncode != 0 and "error: " in result.stderr and message in result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert "Loading weights" not in result.stderr and not os.path.exists(tmp_path / "runs")
+
+
+MORE_BAD_INPUTS = [
+    (["--temperature", "inf"], "--temperature must be in [0.01, inf)"),
+    (["--temperature", "1e-8"], "--temperature must be in [0.01, inf)"),
+    (["--reward-weights.correctness", "nan"], "--reward-weights must be >= 0 and finite"),
+    (["--reward-weights.correctness", "inf"], "--reward-weights must be >= 0 and finite"),
+    (["--reward-weights.format", "-1"], "--reward-weights must be >= 0 and finite"),
+    (["--reward-weights.correctness", "0", "--reward-weights.format", "0"], "and not all 0"),
+    (["--beta", "inf"], "--beta must be finite"), (["--lora-alpha", "inf"], "--lora-alpha must be > 0 and finite"),
+    (["--timeout-minutes", "0"], "--timeout-minutes must be > 0"),
+    (["--model", "./no_tokenizer"], "no tokenizer in the folder (none of tokenizer.json"),
+    (["--task", "empty_prompt.jsonl"], "empty_prompt.jsonl: line 2: the prompt ('prompt') is \"\": it must be"),
+    (["--task", "null_answer.jsonl"], "null_answer.jsonl: line 1: the answer ('answer') is null: it must be text"),
+    (["--task", "list_answer.jsonl"], "list_answer.jsonl: line 1: the answer ('answer') is [1, 2]: it must be"),
+    (["--task", "latin1.jsonl"], "latin1.jsonl: line 2 is not UTF-8 text (byte 16: b'\\xe9')"),
+    (["--task", "task.json"], "task.json: a .json file; tasks are read from .jsonl files"),
+    (["--output-dir", "task.json"], "task.json is a file")]
+MORE_BAD_FILES = {"no_tokenizer/config.json": b"{}",
+                  "empty_prompt.jsonl": b'{"prompt": "1", "answer": "1"}\n{"prompt": "", "answer": "2"}\n',
+                  "null_answer.jsonl": b'{"prompt": "1", "answer": null}\n{"prompt": "2", "answer": "2"}\n',
+                  "list_answer.jsonl": b'{"prompt": "1", "answer": [1, 2]}\n{"prompt": "2", "answer": "2"}\n',
+                  "latin1.jsonl": b'{"prompt": "1", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n',
+                  "task.json": b'[{"prompt": "1", "answer": "1"}]'}
+
+
+@pytest.mark.parametrize("argv, message", MORE_BAD_INPUTS)
+def test_more_bad_input_fails_in_one_line_before_a_model_loads_and_writes_nothing(argv, message, tmp_path,
+                                                                                   monkeypatch, capsys):
+    """In-process (each costs no start-up): `main` stops with one `error:` line before it loads a model, and the
+    folder holds only the input files."""
+    for name, content in MORE_BAD_FILES.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(content)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(grpo, "load_model", lambda *args: pytest.fail("the model loaded"))
+    with pytest.raises(SystemExit) as stopped:
+        grpo.main(tyro.cli(grpo.Args, args=argv))
+    assert str(stopped.value).startswith("error: ") and message in str(stopped.value)
+    assert "\n" not in str(stopped.value)
+    assert sorted(os.listdir(tmp_path)) == sorted({name.split("/")[0] for name in MORE_BAD_FILES})

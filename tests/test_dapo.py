@@ -12,8 +12,11 @@ from transformers import AutoModelForCausalLM
 import dapo
 
 
-def loss_of(logprobs, old, advantages, mask, **overrides):
-    return dapo.compute_policy_loss(logprobs, old, torch.zeros_like(logprobs), advantages, mask, dapo.Args(**overrides))
+def loss_of(logprobs, old, advantages, mask, sampler=None, **overrides):
+    """The loss with the sampler's log-probs those of pi_old (every TIS weight 1) unless given."""
+    sampler = old if sampler is None else sampler
+    return dapo.compute_policy_loss(logprobs, old, torch.zeros_like(logprobs), sampler, advantages, mask,
+                                    dapo.Args(**overrides))
 
 
 def test_every_token_of_200_and_10_token_completions_weighs_1_over_210():
@@ -92,9 +95,9 @@ def run_main(tmp_path, monkeypatch, tiny_model, copy_task, rewards, *argv, forma
     monkeypatch.setattr(dapo.rewards, "score", ScriptedRewards(rewards, formats))
     trained, compute_policy_loss = [], dapo.compute_policy_loss
 
-    def recording_policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args):  # notes the advantages
-        trained.append(advantages)
-        return compute_policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args)
+    def recording_policy_loss(logprobs, old_logprobs, ref_logprobs, sampler_logprobs, advantages, mask, args):
+        trained.append(advantages)  # notes the advantages
+        return compute_policy_loss(logprobs, old_logprobs, ref_logprobs, sampler_logprobs, advantages, mask, args)
 
     monkeypatch.setattr(dapo, "compute_policy_loss", recording_policy_loss)
     monkeypatch.chdir(tmp_path)
@@ -159,6 +162,13 @@ def test_has_contrast_counts_correct_completions():
     assert dapo.has_contrast(correctness, 4).tolist() == [False, False, True, True]
 
 
+def test_has_contrast_keeps_a_spread_of_partial_credit():
+    """A task that gives partial credit: a group with scores 0.5 and 0 teaches something though none is fully
+    correct; one whose completions all scored 0.5 does not."""
+    correctness = torch.tensor([0.5, 0, 0, 0.5, 0.5, 0.5, 0.5, 0.5, 0.25, 0.75, 1, 1])
+    assert dapo.has_contrast(correctness, 4).tolist() == [True, False, True]
+
+
 def test_the_logged_clip_fraction_is_that_of_the_mini_batchs_tokens():
     """8 completions of 4 tokens, all clipped, and 8 of 40, none clipped, in two micro-batches sorted by length: the
     mini-batch's clip fraction is 32 / 352 = 0.091 of its tokens (a plain mean of the two micro-batches' gave 0.5)."""
@@ -170,3 +180,14 @@ def test_the_logged_clip_fraction_is_that_of_the_mini_batchs_tokens():
         entries.append((mask.sum().item(), stats))  # weighted as main weighs DAPO's micro-batches: by their tokens
     assert [s["clip_fraction"] for _, s in entries] == [1.0, 0.0]
     assert dapo.weighted_means(entries)["clip_fraction"] == pytest.approx(32 / 352)
+
+
+def test_truncated_importance_sampling_hand_computed():
+    """pi_old / pi_sampler = 0.5 and 3 on one completion's two tokens and 1 on another's one (A = 1, on-policy): the
+    token-level mean of 0.5, min(3, 2) = 2 and 1 is -(0.5 + 2 + 1) / 3; one token of three truncated."""
+    old = torch.tensor([[0.5, 0.6], [0.4, 0.0]]).log().nan_to_num(neginf=0.0)
+    sampler = torch.tensor([[1.0, 0.2], [0.4, 1.0]]).log()
+    mask = torch.tensor([[1, 1], [1, 0]])
+    loss, stats = loss_of(old.clone(), old, torch.tensor([1.0, 1.0]), mask, sampler=sampler, tis_cap=2.0)
+    assert loss.item() == pytest.approx(-3.5 / 3)
+    assert stats["tis_truncated_fraction"] == pytest.approx(1 / 3)

@@ -87,7 +87,7 @@ def test_track_counts_the_tokens_whose_experts_change_within_a_step(tiny_moe, tm
         completion_mask = torch.ones(rows, 5, dtype=torch.long)
         completion_mask[1, 3:] = 0  # a completion that ended early
         parts = {"correctness": torch.arange(rows) % 2 == 0}
-        batches_in.append((input_ids, attention_mask, completion_mask, None, None, None, parts, 0.0))
+        batches_in.append(MODULES[0].Batch(input_ids, attention_mask, completion_mask, None, None, reward_parts=parts))
 
     path = str(tmp_path / "track.jsonl")
     batches = track.tracked(lambda *args: iter(batches_in), path)(model, None, None, None, None, 0, 1)

@@ -61,8 +61,8 @@ def test_hand_computed_advantages_and_loss(fork):
     logprobs = torch.log(torch.tensor([[0.5, 0.0, 0.0], [0.4, 0.3, 0.2]]).clamp(min=1e-9))
     mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
     args = fork.Args(beta=0.0, max_new_tokens=4)
-    loss, _ = fork.compute_policy_loss(logprobs, logprobs.detach(), logprobs.detach(), torch.tensor([1.0, -1.0]),
-                                       mask, args)
+    loss, _ = fork.compute_policy_loss(logprobs, logprobs.detach(), logprobs.detach(), logprobs.detach(),
+                                       torch.tensor([1.0, -1.0]), mask, args)
     assert loss.item() == pytest.approx({"drgrpo": 0.25, "rloo": 0.0}[fork.__name__])
 
 

@@ -9,10 +9,12 @@ from transformers import AutoModelForCausalLM
 import grpo
 
 
-def loss_of(logprobs, old, advantages, mask, ref=None, **overrides):
+def loss_of(logprobs, old, advantages, mask, ref=None, sampler=None, **overrides):
+    """The loss with the sampler's log-probs those of pi_old (every TIS weight 1) unless given."""
     args = grpo.Args(**{"beta": 0.0, **overrides})
     ref = torch.zeros_like(logprobs) if ref is None else ref
-    return grpo.compute_policy_loss(logprobs, old, ref, advantages, mask, args)
+    sampler = old if sampler is None else sampler
+    return grpo.compute_policy_loss(logprobs, old, ref, sampler, advantages, mask, args)
 
 
 def test_advantages_hand_computed():
@@ -95,3 +97,20 @@ def test_positive_advantage_raises_probability_of_sampled_tokens(tiny_model):
             p -= 0.01 * p.grad
     after, _ = grpo.token_logprobs(model, ids, attention, 3, 1.0)
     assert after.sum() > before.sum()
+
+
+def test_truncated_importance_sampling_hand_computed():
+    """pi_old / pi_sampler = 0.5 and 3 on the two tokens of one completion (A = 1, on-policy so w = 1): the tokens
+    weigh min(0.5, 2) = 0.5 and min(3, 2) = 2 (--tis-cap 2), loss -(0.5 + 2) / 2 = -1.25, gradient -tis / 2; half
+    the tokens truncated. --tis-cap 0: every weight 1."""
+    old = torch.tensor([[0.5, 0.6]]).log()
+    sampler = torch.tensor([[1.0, 0.2]]).log()
+    mask = torch.ones(1, 2)
+    logprobs = old.clone().requires_grad_(True)
+    loss, stats = loss_of(logprobs, old, torch.tensor([1.0]), mask, sampler=sampler, tis_cap=2.0)
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    assert loss.item() == pytest.approx(-1.25)
+    assert torch.allclose(grad, torch.tensor([[-0.25, -1.0]]))
+    assert stats["tis_truncated_fraction"] == pytest.approx(0.5)
+    off, stats = loss_of(logprobs, old, torch.tensor([1.0]), mask, sampler=sampler, tis_cap=0.0)
+    assert off.item() == pytest.approx(-1.0) and stats["tis_truncated_fraction"] == 0.0

@@ -8,9 +8,11 @@ import torch
 import gspo
 
 
-def loss_of(logprobs, old, advantages, mask, **overrides):
+def loss_of(logprobs, old, advantages, mask, sampler=None, **overrides):
+    """The loss with the sampler's log-probs those of pi_old (every TIS weight 1) unless given."""
     args = gspo.Args(**overrides)
-    return gspo.compute_policy_loss(logprobs, old, torch.zeros_like(logprobs), advantages, mask, args)
+    sampler = old if sampler is None else sampler
+    return gspo.compute_policy_loss(logprobs, old, torch.zeros_like(logprobs), sampler, advantages, mask, args)
 
 
 def test_sequence_ratio_is_the_geometric_mean_of_token_ratios():
@@ -84,3 +86,19 @@ def test_on_policy_ratio_is_one_and_gradient_is_the_policy_gradient():
     assert stats["ratio_mean"] == 1.0 and stats["clip_fraction"] == 0.0
     expected = torch.tensor([[-0.8 / 2 / 3] * 3, [0.8 / 2 / 2] * 2 + [0.0]])
     assert torch.allclose(logprobs.grad, expected)
+
+
+def test_truncated_importance_sampling_is_per_sequence_hand_computed():
+    """pi_old / pi_sampler = 0.5 and 3 on the two tokens of one sequence (A = 1, on-policy so s = 1): GSPO weighs the
+    sequence by their geometric mean, sqrt(1.5) = 1.2247 (below --tis-cap 2: loss -1.2247); at --tis-cap 1.1 by 1.1,
+    and the whole sequence counts as truncated."""
+    old = torch.tensor([[0.5, 0.6]]).log()
+    sampler = torch.tensor([[1.0, 0.2]]).log()
+    mask = torch.ones(1, 2)
+    logprobs = old.clone().requires_grad_(True)
+    loss, stats = loss_of(logprobs, old, torch.tensor([1.0]), mask, sampler=sampler, tis_cap=2.0)
+    assert loss.item() == pytest.approx(-(1.5**0.5)) and stats["tis_truncated_fraction"] == 0.0
+    loss, stats = loss_of(logprobs, old, torch.tensor([1.0]), mask, sampler=sampler, tis_cap=1.1)
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    assert loss.item() == pytest.approx(-1.1) and stats["tis_truncated_fraction"] == 1.0
+    assert torch.allclose(grad, torch.tensor([[-0.55, -0.55]]))  # d(-1.1 s)/d logp_t = -1.1 / |y|

@@ -2,6 +2,7 @@
 hand-computed numbers, whitening, the per-token clipped surrogate, and the critic on a tiny model."""
 
 import math
+import inspect
 
 import pytest
 import torch
@@ -96,8 +97,8 @@ def test_policy_loss_uses_each_tokens_own_advantage_and_token_mean():
     logprobs = ratios.log().requires_grad_(True)
     advantages = torch.tensor([[1.0, 1.0, -1.0], [-2.0, 0.5, 0.0]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
-    loss, stats = ppo.compute_policy_loss(logprobs, torch.zeros(2, 3), torch.zeros(2, 3), advantages, mask,
-                                          ppo.Args(beta=0.0))
+    loss, stats = ppo.compute_policy_loss(logprobs, torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3),
+                                          advantages, mask, ppo.Args(beta=0.0))
     loss.backward()
     # -min(w A, clip(w) A) per token: -1, -1.2 (clipped), +0.8 (clipped), +2, -0.5; the mean of 5 real tokens
     assert loss.item() == pytest.approx((-1 - 1.2 + 0.8 + 2 - 0.5) / 5)
@@ -124,3 +125,14 @@ def test_critic_starts_at_zero_and_ignores_left_padding(tiny_model):
         hidden = policy.base_model(input_ids=torch.tensor([row])).last_hidden_state
         assert torch.allclose(shared[i], critic.head(hidden[0, -3:-1]).squeeze(-1), atol=1e-5)
     assert all(torch.equal(a, b) for a, b in zip(critic.backbone.parameters(), policy.base_model.parameters()))
+
+
+def test_truncated_importance_sampling_weighs_the_policy_loss_hand_computed():
+    """pi_old / pi_sampler = 0.5 and 3 on two tokens with advantages 1 and -1 (on-policy, w = 1): the token mean of
+    -0.5 x 1 and -min(3, 2) x (-1) is (-0.5 + 2) / 2 = 0.75; the value loss has no such weight."""
+    old = torch.tensor([[0.5, 0.6]]).log()
+    sampler = torch.tensor([[1.0, 0.2]]).log()
+    loss, stats = ppo.compute_policy_loss(old.clone(), old, torch.zeros(1, 2), sampler, torch.tensor([[1.0, -1.0]]),
+                                          torch.ones(1, 2), ppo.Args(beta=0.0, tis_cap=2.0))
+    assert loss.item() == pytest.approx(0.75) and stats["tis_truncated_fraction"] == pytest.approx(0.5)
+    assert "sampler_logprobs" not in inspect.signature(ppo.compute_value_loss).parameters

@@ -49,6 +49,17 @@ def test_before_any_update_every_ratio_is_1_nothing_is_clipped_and_the_kl_is_0(m
 
 
 @pytest.mark.parametrize("module", MODULES)
+def test_generates_own_log_probs_are_the_trainers_in_float32(module, tiny_model, copy_task, tmp_path, monkeypatch):
+    """`sample` keeps the log-prob of each token it draws (--sampler hf): in float32 it is pi_old, the trainer's
+    log-prob before any update, up to rounding, so no TIS weight is truncated. (A draw's log-prob taken without the
+    temperature, or of another token, would be off by far more.)"""
+    scalars, _ = first_step(module, tiny_model, copy_task, tmp_path, monkeypatch, "--dtype", "float32",
+                            "--learning-rate", "1e-30")
+    assert 0 <= scalars["charts/sampler_gap_mean"] <= scalars["charts/sampler_gap_max"] < 1e-4
+    assert 0 <= scalars["charts/sampler_kl"] < 1e-8 and scalars["losses/tis_truncated_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("module", MODULES)
 def test_after_the_first_update_ratios_and_the_kl_move(module, tiny_model, copy_task, tmp_path, monkeypatch):
     """The same step at a real learning rate: the second mini-batch sees the first's update."""
     scalars, _ = first_step(module, tiny_model, copy_task, tmp_path, monkeypatch, "--dtype", "bfloat16",
@@ -121,9 +132,12 @@ def test_the_real_model_before_any_update_in_bf16(module, checkpointing, tmp_pat
 @pytest.mark.slow
 @pytest.mark.parametrize("module", MODULES)
 def test_two_processes_before_any_update_in_bf16(module, tiny_model, copy_task, tmp_path):
-    """Under torchrun (FSDP2, gloo): each process's ratios, clipping and KL are exact too."""
+    """Under torchrun (FSDP2, gloo): each process's ratios, clipping and KL are exact too. (DAPO
+    trains on every group: with dynamic sampling a rank whose groups of the untrained tiny model
+    all score alike would leave the step without an update to measure.)"""
+    every_group = ["--no-dynamic-sampling"] if module.__name__ == "dapo" else []
     argv = [module.__file__, "--model", tiny_model, "--task", copy_task, *STEP, "--dtype", "bfloat16",
-            "--learning-rate", "1e-30", *OWN_ARGS.get(module.__name__, [])]
+            "--learning-rate", "1e-30", *OWN_ARGS.get(module.__name__, []), *every_group]
     launch(argv, tmp_path, 2)
     scalars = {tag: values[0][1] for tag, values in read_run(str(tmp_path))[0].items()}
     assert {tag: scalars[tag] for tag in EXACT} == EXACT

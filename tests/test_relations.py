@@ -42,7 +42,7 @@ def loss_and_grad(module, batch: Batch, on_policy=False, **args):
     and the statistics. On-policy, the old log-probs are the current ones detached, as the scripts reuse them."""
     logprobs = batch.logprobs.clone().requires_grad_(True)
     old = logprobs.detach() if on_policy else batch.old
-    loss, stats = module.compute_policy_loss(logprobs, old, batch.ref, batch.advantages, batch.mask,
+    loss, stats = module.compute_policy_loss(logprobs, old, batch.ref, old, batch.advantages, batch.mask,
                                              module.Args(**args))
     (grad,) = torch.autograd.grad(loss, logprobs)
     return loss.detach(), grad, stats

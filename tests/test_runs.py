@@ -31,7 +31,8 @@ SHARED_METRICS = [
     "losses/grad_norm", "losses/token_log_ratio_std", "losses/seq_log_ratio_std", "charts/reward_errors",
     "charts/skipped_updates", "charts/time_sample", "charts/time_score", "charts/time_logprobs", "charts/time_train",
     "charts/time_eval", "charts/peak_memory_gb", "charts/tokens_sampled", "charts/tokens_forward",
-    "charts/tokens_trained",
+    "charts/tokens_trained", "charts/sampler_gap_mean", "charts/sampler_gap_max", "charts/sampler_kl",
+    "losses/tis_truncated_fraction",
 ]
 OWN_METRICS = {
     "grpo": ["charts/zero_std_fraction", "losses/kl"],
@@ -62,9 +63,10 @@ def test_two_step_run_logs_metrics_and_saves_a_loadable_checkpoint(module, tiny_
     first, last = scalars["charts/eval_accuracy"][0][1], scalars["charts/eval_accuracy"][-1][1]
     assert f"held-out greedy accuracy: {first:.3f} before training -> {last:.3f} after 2 steps" in result.stdout
     assert "|num_prompts|4|" in texts["hyperparameters/text_summary"][0]
-    assert "|reward|completion|" in texts["completions/text_summary"][0]
+    assert "|prompt|answer|completion|reward|" in texts["completions/text_summary"][0]
     (run_dir,) = glob.glob(str(tmp_path / "ckpt" / "*"))
-    assert sorted(os.listdir(run_dir)) == ["latest", "step_2"]  # step_1 was saved, then removed; no temporary left
+    # step_1 was saved, then removed; no temporary left; .lock: the run holds its folders while it runs
+    assert sorted(os.listdir(run_dir)) == [".lock", "latest", "step_2"]
     with open(os.path.join(run_dir, "latest")) as f:
         assert f.read() == "step_2"
     # the rate each step's updates used: 2e-5, then 1e-5 (linear decay to 0 over 2 steps)

@@ -50,7 +50,7 @@ class FixedGenerator(torch.nn.Module):
     def forward(self, input_ids, attention_mask, position_ids, use_cache, cache, logits_to_keep):  # the prompt pass
         self.prompt_rows = len(input_ids)
 
-    def generate(self, input_ids, attention_mask, generation_config, logits_processor, synced_gpus, cache):
+    def generate(self, input_ids, attention_mask, generation_config, logits_processor, streamer, synced_gpus, cache):
         assert synced_gpus is False  # ranks decode on their own (the weights are gathered first)
         return torch.cat([input_ids, self.completions], 1)
 
@@ -287,7 +287,7 @@ def test_the_plumbing_sample_and_evaluate_are_identical_in_all_four_scripts():
 
 def test_every_script_shares_compute_policy_loss_signature():
     signatures = {m.__name__: list(inspect.signature(m.compute_policy_loss).parameters) for m in MODULES}
-    assert all(s == ["logprobs", "old_logprobs", "ref_logprobs", "advantages", "mask", "args"]
+    assert all(s == ["logprobs", "old_logprobs", "ref_logprobs", "sampler_logprobs", "advantages", "mask", "args"]
                for s in signatures.values()), signatures
 
 
@@ -323,5 +323,6 @@ def test_run_names_are_folder_names_on_any_system(module, tmp_path, monkeypatch)
     (tmp_path / "two_rows.parquet").write_text("")
     for task, name in [("reasoning_gym:chain_sum", "reasoning_gym_chain_sum"), ("./two_rows.parquet", "two_rows"),
                        ("openai/gsm8k", "openai_gsm8k")]:
-        run_dir, writer = module.start_run(module.Args(task=task, exp_name="x", seed=3), None, 1, "")  # rank 1: no file
+        run_dir, writer, held = module.start_run(module.Args(task=task, exp_name="x", seed=3), None, 1, "")  # rank 1:
+        assert held is None  # it writes no file, and holds nothing
         assert os.path.basename(run_dir).startswith(f"{name}__x__3__") and writer is None
