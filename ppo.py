@@ -12,10 +12,10 @@ on the last token; GAE turns them into per-token advantages (no group baseline):
     L_VF = 1/2 mean_t max((V_t - R_t)^2, (clip(V_t, V_old_t - eps_v, V_old_t + eps_v) - R_t)^2)
     loss = -(L_CLIP - c1 L_VF + c2 H)                         (c1 = --vf-coef, c2 = --entropy-coef)
 
-The completions come from a sampler (model.generate, or vLLM with --sampler vllm) whose
-probabilities differ from the trainer's pi_old by rounding and kernels; truncated importance
-sampling (Yao et al. 2025) weighs each token's L_CLIP term by the detached
-min(pi_old / pi_sampler, C), C = --tis-cap (0: off); L_VF and the ratio w_t are untouched.
+With --sampler vllm the completions come from vLLM, whose probabilities differ from the
+trainer's pi_old (other kernels, other rounding); truncated importance sampling (Yao et al. 2025)
+weighs each token's L_CLIP term by the detached min(pi_old / pi_sampler, C), C = --tis-cap
+(0: off); L_VF and the ratio w_t are untouched.
 
 The critic, as in standard LLM PPO, is a copy of the policy's transformer (without the LM head) and
 a scalar head on each token's hidden state: its weights, gradients and AdamW moments roughly double
@@ -75,6 +75,7 @@ from pathlib import Path
 from typing import Literal, NamedTuple
 
 import peft
+import safetensors
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -113,7 +114,7 @@ class Args:
     temperature: float = 0.7  # sampling temperature; the log-probs divide the logits by it too
     top_p: float = 1.0  # nucleus sampling; below 1 the log-probs (full softmax) are biased
     sampler: Literal["hf", "vllm"] = "hf"  # hf: model.generate; vllm: a vLLM engine in-process
-    tis_cap: float = 2.0  # truncated importance sampling: min(pi_old / pi_sampler, C); 0: off
+    tis_cap: float = 2.0  # vllm: truncated importance sampling, min(pi_old / pi_sampler, C); 0: off
     vllm_kv_cache_gib: float = 1.0  # --sampler vllm on a CPU: its KV cache, in GiB
     vllm_gpu_memory_utilization: float = 0.3  # --sampler vllm on CUDA: its share of GPU memory
 
@@ -649,6 +650,10 @@ def main(args: Args) -> None:
                                               args.gamma, args.lam)
             advantages = whiten(advantages, batch.completion_mask)  # (B, T)
 
+            # truncated importance sampling against vLLM's log-probs; `generate` runs the trainer's
+            # own model, its gap (logged) the compute dtype's rounding: against pi_old, weight 1
+            tis_logprobs = batch.sampler_logprobs if llm is not None else old_logprobs
+
             # 6. num_iterations passes over the mini-batches, an optimizer step on each; later
             # passes visit them in a new order, each mini-batch keeping its rows
             train_start = time.time()
@@ -678,7 +683,7 @@ def main(args: Args) -> None:
                         # PPO's are token means, so a micro-batch weighs its tokens
                         loss, stats = compute_policy_loss(
                             logprobs, old_logprobs[micro], ref_logprobs[micro],
-                            batch.sampler_logprobs[micro], advantages[micro],
+                            tis_logprobs[micro], advantages[micro],
                             batch.completion_mask[micro], args)
                         value_loss, value_stats = compute_value_loss(
                             new_values, old_values[micro], returns[micro],
@@ -1199,8 +1204,12 @@ def resume(args: Args) -> tuple[Args, dict | None]:
     if state["script"] != os.path.basename(__file__):
         raise SystemExit(f"error: --resume {checkpoint}: a checkpoint of {state['script']}, not "
                          "of this script")
-    # the run goes on in its own folder, from wherever it is resumed
-    output_dir = os.path.dirname(os.path.dirname(os.path.abspath(checkpoint)))
+    # the run goes on in its own folder, from wherever it is resumed (a checkpoint moved out of
+    # it: in the output dir it was saved with)
+    run_folder = os.path.dirname(os.path.abspath(checkpoint))
+    output_dir = state["args"]["output_dir"]
+    if os.path.basename(run_folder) == state.get("run_name"):
+        output_dir = os.path.dirname(run_folder)
     return Args(**{**state["args"], "resume": checkpoint, "output_dir": output_dir}), state
 
 
@@ -1313,11 +1322,13 @@ def write_checkpoint(path: str, model, tokenizer, weights: dict, state: dict, ke
         os.rename(tmp, path)
         flush_to_disk(run_dir)
         set_latest(path)
-    except (OSError, RuntimeError) as e:  # torch.save says "iostream error" when the disk is full
+    # a full disk: torch.save says "iostream error", safetensors raises its own error
+    except (OSError, RuntimeError, safetensors.SafetensorError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         free = shutil.disk_usage(run_dir).free
         reason = str(e).splitlines()[0]
-        if getattr(e, "errno", None) == errno.ENOSPC or free < 2**26:
+        no_space = getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e)
+        if no_space or free < 2**26:
             reason = f"the disk is full ({free / 2**20:.0f} MB free)"
         latest = os.path.join(run_dir, "latest")
         if not os.path.isfile(latest):
@@ -1362,6 +1373,10 @@ def resume_command(checkpoint: str) -> str:
         launcher = ["torchrun", f"--nproc_per_node={local}"]
     if world > local:
         launcher.append(f"--nnodes={world // local}")
+    # relative to the working directory where it lies under it
+    relative = os.path.relpath(checkpoint)
+    if not relative.startswith(".."):
+        checkpoint = relative
     return shlex.join(launcher + [sys.argv[0], "--resume", checkpoint])
 
 
@@ -1700,6 +1715,7 @@ def policy_loaded(llm, model):
         yield
         return
     if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the training passes' freed blocks, for vLLM to take back
         llm.wake_up()
     sync_weights(llm, model)
     try:
@@ -1747,13 +1763,13 @@ def sampler_gap(old_logprobs, sampler_logprobs, mask) -> dict:
     pi_sampler, r - 1 - log r >= 0, its mean over the sampler's tokens)."""
     delta = (old_logprobs - sampler_logprobs)[mask.bool()]  # (tokens,)
     k3 = torch.exp(delta) - 1 - delta
-    sums = torch.stack([delta.abs().sum(), k3.sum(), torch.tensor(float(len(delta)))])
-    gap, kl, count = all_gather(sums[None].to(old_logprobs.device)).sum(0).tolist()
-    largest = delta.abs().max() if len(delta) else torch.tensor(0.0)
+    sums = torch.stack([delta.abs().sum(), k3.sum(), delta.new_tensor(float(len(delta)))])
+    gap, kl, count = all_gather(sums[None]).sum(0).tolist()
+    largest = delta.abs().max() if len(delta) else delta.new_tensor(0.0)
     if count == 0:  # (DAPO: no group trained on, no pi_old)
         return {}
     return {"sampler_gap_mean": gap / max(1, count), "sampler_kl": kl / max(1, count),
-            "sampler_gap_max": all_gather(largest.to(old_logprobs.device)).max().item()}
+            "sampler_gap_max": all_gather(largest).max().item()}
 
 
 if __name__ == "__main__":

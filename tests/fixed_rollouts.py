@@ -57,8 +57,11 @@ def sample_fixed(model, tokenizer, prompt_ids, repeat, gen_config, draw):
     texts = [tokenizer.decode(row[width : width + sum(m)], skip_special_tokens=True)
              for row, m in zip(rows, completion_masks)]
     batch = importlib.import_module(sys.argv[1]).Batch  # the script's
+    # the sampler's log-probs, as `sample` records them (for the charts only): these completions have none, 0
+    sampler_logprobs = torch.zeros(completion_mask.shape, device=device)
     return batch(input_ids=torch.tensor(rows, device=device), attention_mask=attention_mask.to(device),
-                 completion_mask=completion_mask.to(device), truncated=truncated.to(device), completions=texts)
+                 completion_mask=completion_mask.to(device), truncated=truncated.to(device), completions=texts,
+                 sampler_logprobs=sampler_logprobs)
 
 
 def fixed_score(completions, answers, task, weights):

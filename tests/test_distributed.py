@@ -72,7 +72,7 @@ def test_a_two_process_run_logs_once_and_saves_one_checkpoint_that_loads_on_one_
     argv = [module.__file__, "--model", tiny_model, "--task", copy_task, "--steps", "2", "--eval-every", "1",
             "--eval-prompts", "8", "--max-new-tokens", "4", "--output-dir", "ckpt", *batch(module)]
     result = launch(argv, tmp_path, 2)
-    assert result.stdout.count("held-out greedy accuracy:") == 1 and result.stdout.count("step 0: held-out") == 1
+    assert result.stdout.count("held-out greedy accuracy:") == 1 and result.stdout.count("step 0/2: held-out") == 1
     scalars, _ = read_run(str(tmp_path))  # exactly one TensorBoard run
     assert [s for s, _ in scalars["charts/reward_mean"]] == [1, 2]
     assert [s for s, _ in scalars["charts/eval_accuracy"]] == [0, 1, 2]

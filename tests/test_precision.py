@@ -50,13 +50,34 @@ def test_before_any_update_every_ratio_is_1_nothing_is_clipped_and_the_kl_is_0(m
 
 @pytest.mark.parametrize("module", MODULES)
 def test_generates_own_log_probs_are_the_trainers_in_float32(module, tiny_model, copy_task, tmp_path, monkeypatch):
-    """`sample` keeps the log-prob of each token it draws (--sampler hf): in float32 it is pi_old, the trainer's
-    log-prob before any update, up to rounding, so no TIS weight is truncated. (A draw's log-prob taken without the
-    temperature, or of another token, would be off by far more.)"""
+    """`sample` keeps the log-prob of each token it draws (--sampler hf), for the sampler charts: in float32 it is
+    pi_old, the trainer's log-prob before any update, up to rounding. (A draw's log-prob taken without the
+    temperature, or of another token, would be off by far more.) hf's loss is not weighted: nothing truncated."""
     scalars, _ = first_step(module, tiny_model, copy_task, tmp_path, monkeypatch, "--dtype", "float32",
                             "--learning-rate", "1e-30")
     assert 0 <= scalars["charts/sampler_gap_mean"] <= scalars["charts/sampler_gap_max"] < 1e-4
     assert 0 <= scalars["charts/sampler_kl"] < 1e-8 and scalars["losses/tis_truncated_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_generates_log_probs_are_logged_and_weigh_nothing(module, tiny_model, copy_task, tmp_path, monkeypatch):
+    """--sampler hf: the sampler's log-probs, lowered by 1 (were they weighed, every weight would be min(e, 2)), move
+    the sampler charts by 1 and leave the loss and the trained weights as they were."""
+    args = ["--dtype", "float32", "--learning-rate", "1e-2"]
+    (tmp_path / "plain").mkdir()
+    plain, plain_weights = first_step(module, tiny_model, copy_task, tmp_path / "plain", monkeypatch, *args)
+    sample = module.sample
+
+    def lowered(*rest):
+        batch = sample(*rest)
+        return batch._replace(sampler_logprobs=batch.sampler_logprobs - 1) if rest[-1] is not None else batch
+
+    monkeypatch.setattr(module, "sample", lowered)
+    (tmp_path / "lowered").mkdir()
+    shifted, shifted_weights = first_step(module, tiny_model, copy_task, tmp_path / "lowered", monkeypatch, *args)
+    assert shifted["charts/sampler_gap_mean"] == pytest.approx(1, abs=1e-3)
+    assert shifted["losses/policy_loss"] == plain["losses/policy_loss"]
+    assert all(torch.equal(shifted_weights[k], plain_weights[k]) for k in plain_weights)
 
 
 @pytest.mark.parametrize("module", MODULES)

@@ -53,19 +53,19 @@ def test_one_completion_a_prompt_has_no_groups_to_judge(capsys):
 
 
 @pytest.mark.parametrize("module", FIRST_FAST)
-def test_a_run_whose_completions_are_all_truncated_warns_and_preflight_stops_before_training(module, tiny_model,
+def test_a_run_whose_completions_are_mostly_truncated_warns_and_preflight_stops_before_training(module, tiny_model,
                                                                                             copy_task, tmp_path):
-    """The tiny model, in float32, never ends within one token: every completion is truncated (in bf16 its
-    first draw can be an EOS). --preflight samples the first batch, prints the summary and the warning, and
-    exits without evaluating, training, saving or logging."""
+    """The untrained tiny model rarely draws its EOS first: most completions of one token are truncated (how many
+    depends on the draws). --preflight samples the first batch, prints the summary and the warning, and exits
+    without evaluating, training, saving or logging."""
     result = run_script(module, "--model", tiny_model, "--task", copy_task, "--preflight", "--max-new-tokens", "1",
-                        "--dtype", "float32",
                         "--num-prompts", "2", "--group-size", "2", "--output-dir", "ckpt",
                         *OWN_ARGS.get(module.__name__, []), cwd=str(tmp_path))
     assert result.returncode == 0
-    assert re.search(r"truncated at --max-new-tokens 1: (\d+) of \1\n", result.stdout)  # (DAPO: over its rounds)
+    truncated, total = map(int, re.search(r"truncated at --max-new-tokens 1: (\d+) of (\d+)\n", result.stdout).groups())
+    assert total > 0 and truncated > total / 2  # (DAPO: over its rounds)
     assert "warning: most completions reach the length limit unfinished" in result.stdout
-    assert "held-out greedy accuracy" not in result.stdout and "step 1: reward" not in result.stdout
+    assert "held-out greedy accuracy" not in result.stdout and "step 1/" not in result.stdout
     assert not os.path.exists(tmp_path / "ckpt") and not os.path.exists(tmp_path / "runs")
 
 

@@ -12,7 +12,9 @@ import subprocess
 import sys
 
 import pytest
+import safetensors
 import torch
+import transformers
 import tyro
 from conftest import MODULES, OWN_ARGS, ROOT, ScriptedRewards, read_run
 from test_distributed import batch
@@ -128,19 +130,27 @@ def test_latest_never_falls_back_to_a_later_checkpoint_and_a_folder_named_latest
         grpo.resume(grpo.Args(resume=os.path.join(run_dir, "latest")))
 
 
-def test_a_full_disk_is_said_leaves_no_partial_checkpoint_and_latest_valid(tiny_model, copy_task, tmp_path,
+@pytest.mark.parametrize("writer", ["torch.save", "safetensors"])
+def test_a_full_disk_is_said_leaves_no_partial_checkpoint_and_latest_valid(writer, tiny_model, copy_task, tmp_path,
                                                                           monkeypatch, capsys):
-    """The second save fails as a full disk fails (a write that raises ENOSPC): one line that says so, no
-    .tmp-step_2, latest still naming step_1, which is whole, and the printed command resumes from it."""
-    save, calls = torch.save, []
+    """The second save fails as a full disk fails (torch.save: a write that raises ENOSPC; the weights:
+    safetensors' own error, as it was seen): one line that says so, no .tmp-step_2, latest still naming step_1,
+    which is whole, and the printed command resumes from it."""
+    if writer == "torch.save":
+        module, name = grpo.torch, "save"
+        error = OSError(errno.ENOSPC, "No space left on device")
+    else:
+        module, name = transformers.modeling_utils, "safe_save_file"
+        error = safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    write, calls = getattr(module, name), []
 
-    def failing_save(obj, path, *rest, **options):
+    def failing_write(obj, path, *rest, **options):
         calls.append(path)
         if len(calls) == 2:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return save(obj, path, *rest, **options)
+            raise error
+        return write(obj, path, *rest, **options)
 
-    monkeypatch.setattr(grpo.torch, "save", failing_save)
+    monkeypatch.setattr(module, name, failing_write)
     with pytest.raises(SystemExit, match=r"error: step 2: cannot save .*step_2: the disk is full \(\d+ MB free\); "
                                          "nothing of it was kept, latest still names step_1; resume with: python"):
         train(grpo, tmp_path, small_run(grpo, tiny_model, copy_task, "--steps", "3", "--save-every", "1",
@@ -177,3 +187,34 @@ def test_a_hung_process_ends_the_run_in_one_line_that_says_at_which_step(module,
     assert "error: step 3: the processes stopped waiting for each other after --timeout-minutes 0.1 (one hung or " \
            "died); resume with: torchrun --nproc_per_node=2" in result.stdout + result.stderr
     assert read_run(str(tmp_path))[0]["charts/reward_mean"][-1][0] == 2
+
+
+def test_a_run_folder_without_a_checkpoint_or_named_itself_is_one_line(tmp_path):
+    """A run stopped before its first save leaves a folder with no checkpoint: `--resume {it}/latest` says so in one
+    line; `--resume {run folder}` (a folder, not a checkpoint) points at `latest`."""
+    empty = tmp_path / "ckpt" / "run"
+    empty.mkdir(parents=True)
+    (empty / ".lock").write_text("")
+    with pytest.raises(SystemExit, match=r"run/latest: no whole checkpoint to continue from: none there$"):
+        grpo.resume(grpo.Args(resume=str(empty / "latest")))
+    (empty / "latest").write_text("step_1")
+    with pytest.raises(SystemExit, match=r"a run's folder: --resume .*run/latest continues it\)$"):
+        grpo.resume(grpo.Args(resume=str(empty)))
+
+
+def test_a_run_resumed_from_another_folder_goes_on_beside_its_checkpoints(tiny_model, copy_task, tmp_path,
+                                                                         monkeypatch):
+    """Resumed from elsewhere by its absolute path, a run saves and holds its lock in its own folder, not in a new
+    ./ckpt of the directory it was started from (where a second resume would not see the first's lock)."""
+    first, elsewhere = tmp_path / "first", tmp_path / "elsewhere"
+    first.mkdir()
+    elsewhere.mkdir()
+    train(grpo, first, small_run(grpo, tiny_model, copy_task, "--steps", "2", "--save-every", "1",
+                                 "--keep-checkpoints", "0"), monkeypatch)
+    (run_dir,) = glob.glob(str(first / "ckpt" / "*"))
+    os.remove(os.path.join(run_dir, "step_2", "contents.json"))
+    os.rename(os.path.join(run_dir, "step_2"), os.path.join(run_dir, "abandoned"))
+    grpo.set_latest(os.path.join(run_dir, "step_1"))
+    train(grpo, elsewhere, ["--resume", os.path.join(run_dir, "latest")], monkeypatch)
+    assert os.path.isfile(os.path.join(run_dir, "step_2", "contents.json"))
+    assert not os.path.exists(elsewhere / "ckpt")

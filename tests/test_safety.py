@@ -120,7 +120,8 @@ def test_a_signal_stops_after_the_step_saves_and_exits_0_and_the_run_resumes(mod
     argv = small_run(module, tiny_model, copy_task, "--steps", "10000", "--eval-every", "0", "--save-every", "0")
     output, first = stop(start([module.__file__, *argv], tmp_path, "TensorBoard"), signum)
     (run_dir,) = glob.glob(str(tmp_path / "ckpt" / "*"))
-    assert sorted(os.listdir(run_dir)) == ["latest", f"step_{first}"]  # nothing else: no temporary folder left
+    # nothing else: no temporary folder left (.lock: the run holds its folder while it runs)
+    assert sorted(os.listdir(run_dir)) == [".lock", "latest", f"step_{first}"]
     checkpoint = os.path.join(run_dir, f"step_{first}")
     assert os.path.isfile(os.path.join(checkpoint, "training_state.pt"))
     command = shlex.split(re.search(r"resume with: (.*)", output).group(1))

@@ -254,10 +254,11 @@ def test_two_processes_each_sample_with_their_own_engine_and_the_gathered_weight
 @needs_vllm
 @pytest.mark.slow
 def test_the_real_model_learns_the_default_task_sampling_with_vllm(tmp_path):
-    """SmolLM2-135M-Instruct, grpo.py's defaults and --sampler vllm: held-out accuracy +0.1 or more in 20 steps."""
+    """SmolLM2-135M-Instruct, grpo.py's defaults and --sampler vllm, one thread: held-out accuracy +0.1 or more in 20
+    steps (2026-12-06, seeds 1 / 2 / 3: +0.250 / +0.328 / -0.078; seed 1, the default, is this run)."""
     import grpo
 
-    result = run_script(grpo, "--sampler", "vllm", cwd=str(tmp_path), timeout=3000)
+    result = run_script(grpo, "--sampler", "vllm", cwd=str(tmp_path), timeout=3000, env=ENV)
     assert result.returncode == 0
     scalars = read_run(str(tmp_path))[0]
     accuracy = [value for _, value in scalars["charts/eval_accuracy"]]
