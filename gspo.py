@@ -1513,8 +1513,9 @@ def gathered(model):
 
 def start_vllm(model, args: Args, dtype: torch.dtype, device: torch.device):
     """--sampler vllm: a vLLM engine in this process for the policy's architecture, in the compute
-    dtype, with dummy weights (each step loads the policy's). Creating it reseeds the RNGs,
-    replaces torch.set_num_threads and sets environment variables: all three are put back."""
+    dtype, made with dummy weights and given the policy's (again before each step's sampling).
+    Creating it reseeds the RNGs, replaces torch.set_num_threads and sets environment variables:
+    all three are put back."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # not a line a step
     set_num_threads = torch.set_num_threads
