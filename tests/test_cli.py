@@ -56,20 +56,9 @@ IN_PROCESS = [(grpo, a, text) for a, text in SHARED_BAD_INPUTS if (a, text) != H
 
 
 def write_bad_files(folder) -> None:
-    for name, text in BAD_FILES.items():
+    for name, content in {**BAD_FILES, **MORE_BAD_FILES}.items():
         (folder / name).parent.mkdir(exist_ok=True)
-        (folder / name).write_text(text)
-
-
-@pytest.mark.parametrize("module, argv, message", IN_PROCESS)
-def test_bad_input_stops_main_in_one_line_before_loading_a_model(module, argv, message, tmp_path, monkeypatch):
-    write_bad_files(tmp_path)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(module, "load_model", lambda *args: pytest.fail("the model loaded"))
-    with pytest.raises(SystemExit) as stopped:
-        module.main(tyro.cli(module.Args, args=argv))
-    assert str(stopped.value).startswith("error: ") and message in str(stopped.value)
-    assert "\n" not in str(stopped.value) and not os.path.exists(tmp_path / "runs")
+        (folder / name).write_bytes(content.encode() if isinstance(content, str) else content)
 
 
 @pytest.mark.parametrize("module, argv, message", BAD_INPUTS)
@@ -106,18 +95,16 @@ MORE_BAD_FILES = {"no_tokenizer/config.json": b"{}",
                   "task.json": b'[{"prompt": "1", "answer": "1"}]'}
 
 
-@pytest.mark.parametrize("argv, message", MORE_BAD_INPUTS)
-def test_more_bad_input_fails_in_one_line_before_a_model_loads_and_writes_nothing(argv, message, tmp_path,
-                                                                                   monkeypatch, capsys):
+@pytest.mark.parametrize("module, argv, message", IN_PROCESS + [(grpo, a, text) for a, text in MORE_BAD_INPUTS])
+def test_bad_input_stops_main_in_one_line_before_a_model_loads_and_writes_nothing(module, argv, message, tmp_path,
+                                                                                   monkeypatch):
     """In-process (each costs no start-up): `main` stops with one `error:` line before it loads a model, and the
     folder holds only the input files."""
-    for name, content in MORE_BAD_FILES.items():
-        (tmp_path / name).parent.mkdir(exist_ok=True)
-        (tmp_path / name).write_bytes(content)
+    write_bad_files(tmp_path)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(grpo, "load_model", lambda *args: pytest.fail("the model loaded"))
+    monkeypatch.setattr(module, "load_model", lambda *args: pytest.fail("the model loaded"))
     with pytest.raises(SystemExit) as stopped:
-        grpo.main(tyro.cli(grpo.Args, args=argv))
+        module.main(tyro.cli(module.Args, args=argv))
     assert str(stopped.value).startswith("error: ") and message in str(stopped.value)
     assert "\n" not in str(stopped.value)
-    assert sorted(os.listdir(tmp_path)) == sorted({name.split("/")[0] for name in MORE_BAD_FILES})
+    assert sorted(os.listdir(tmp_path)) == sorted({name.split("/")[0] for name in {**BAD_FILES, **MORE_BAD_FILES}})
