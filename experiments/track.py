@@ -6,8 +6,8 @@
 
     python experiments/track.py grpo --model experiments/models/smollm2-moe --beta 0   # any arguments of the script
 
-It wraps the script's `rollouts` generator. `main` draws a batch at the start of each step, while the model holds that
-step's old weights, and the next one after the step's updates: the routing of a batch is read when it is drawn and
+It wraps the script's `rollout`. `main` calls it for a batch at the start of each step, while the model holds that
+step's old weights, and for the next one after the step's updates: the routing of a batch is read when it is drawn and
 again when the next one is, and the change is recorded under the batch's own step (so none for the last step, after
 which nothing is drawn). Routing is read with one plain forward pass (positions from the attention mask, as in
 generation), the same way both times. Records go to track.jsonl in the working directory, beside the script's runs/,
@@ -49,26 +49,29 @@ def expert_choices(model, input_ids, attention_mask, completion_mask) -> torch.T
     return torch.stack(per_layer).sort(-1).values  # (layers, tokens, top_k)
 
 
-def tracked(rollouts, path: str):
-    """`rollouts`, recording each batch's lengths by correctness and the change in its routing after the step."""
-    def wrapper(model, tokenizer, task, args, cursor, rank, world, *rest):
-        previous = None  # the last batch's index, inputs and experts under the weights that sampled it
-        for index, batch in enumerate(rollouts(model, tokenizer, task, args, cursor, rank, world, *rest), 1):
-            input_ids, attention_mask, completion_mask = batch.input_ids, batch.attention_mask, batch.completion_mask
-            reward_parts = batch.reward_parts
-            records = []
-            if previous is not None and previous[2] is not None:  # the model now holds the last step's new weights
-                changed = (expert_choices(model, *previous[1]) != previous[2]).any(-1).float()  # (layers, tokens)
-                records.append({"batch": previous[0], "experts_changed": changed.mean().item(),
-                                "experts_changed_per_layer": changed.mean(1).tolist()})
-            lengths, correct = completion_mask.sum(1).float(), reward_parts["correctness"] == 1  # (B,), (B,)
-            records.append({"batch": index, "length_correct": lengths[correct].tolist(),
-                            "length_wrong": lengths[~correct].tolist()})
-            with open(path, "a") as f:
-                f.writelines(json.dumps(record) + "\n" for record in records)
-            inputs = (input_ids, attention_mask, completion_mask)
-            previous = (index, inputs, expert_choices(model, *inputs))
-            yield batch
+def tracked(rollout, path: str):
+    """`rollout`, recording each batch's lengths by correctness and the change in its routing after the step."""
+    previous = None  # the last batch's index, inputs and experts under the weights that sampled it
+    count = 0  # batches so far
+
+    def wrapper(model, *rest):
+        nonlocal previous, count
+        batch = rollout(model, *rest)
+        count += 1
+        input_ids, attention_mask, completion_mask = batch.input_ids, batch.attention_mask, batch.completion_mask
+        records = []
+        if previous is not None and previous[2] is not None:  # the model now holds the last step's new weights
+            changed = (expert_choices(model, *previous[1]) != previous[2]).any(-1).float()  # (layers, tokens)
+            records.append({"batch": previous[0], "experts_changed": changed.mean().item(),
+                            "experts_changed_per_layer": changed.mean(1).tolist()})
+        lengths, correct = completion_mask.sum(1).float(), batch.reward_parts["correctness"] == 1  # (B,), (B,)
+        records.append({"batch": count, "length_correct": lengths[correct].tolist(),
+                        "length_wrong": lengths[~correct].tolist()})
+        with open(path, "a") as f:
+            f.writelines(json.dumps(record) + "\n" for record in records)
+        inputs = (input_ids, attention_mask, completion_mask)
+        previous = (count, inputs, expert_choices(model, *inputs))
+        return batch
     return wrapper
 
 
@@ -79,5 +82,5 @@ if __name__ == "__main__":
     spec = importlib.util.spec_from_file_location(sys.argv[1], os.path.join(ROOT, f"{sys.argv[1]}.py"))
     script = sys.modules[sys.argv[1]] = importlib.util.module_from_spec(spec)  # (tyro reads Args' source)
     spec.loader.exec_module(script)
-    script.rollouts = tracked(script.rollouts, "track.jsonl")
+    script.rollout = tracked(script.rollout, "track.jsonl")
     script.main(tyro.cli(script.Args, args=sys.argv[2:]))

@@ -6,7 +6,6 @@ import importlib
 import json
 import os
 import sys
-import time
 
 import torch
 import tyro
@@ -17,17 +16,6 @@ BARE_EOS = os.environ.get("BARE_EOS") == "1"  # rank 0's completions are all a b
 
 
 def fixed_sample(model, tokenizer, prompt_ids, repeat, gen_config, draw):
-    """With HANG_AT_STEP=N, rank 1 hangs in its N-th call (a process stopped, as by kill -STOP)."""
-    calls.append(1)
-    if os.environ.get("HANG_AT_STEP") == str(len(calls)) and os.environ.get("RANK") == "1":
-        time.sleep(3600)
-    return sample_fixed(model, tokenizer, prompt_ids, repeat, gen_config, draw)
-
-
-calls = []
-
-
-def sample_fixed(model, tokenizer, prompt_ids, repeat, gen_config, draw):
     """What `sample` returns, for completions drawn from a generator seeded by the prompt: completion j of a group
     starts with the digit j, then random digits, and ends with EOS at a random place, or not at all (truncated).
     With BARE_EOS, the completions of rank 0's prompts (of the first half, in one process) are one EOS token."""

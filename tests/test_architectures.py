@@ -27,7 +27,6 @@ ARCHITECTURES = {
     "opt": dict(ffn_dim=64, word_embed_proj_dim=32),
 }
 RECURRENT = {"qwen3_next"}  # whose cache cannot be copied from a prompt to its rows
-MIXTURES = {"qwen3_next", "qwen3_moe", "mixtral"}
 
 
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))
@@ -44,13 +43,10 @@ def architecture(request, tiny_model, tmp_path_factory) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize("module", MODULES)
-def test_log_probs_equal_whole_rows_and_the_cache_is_shared_where_it_can_be(module, architecture, capsys):
+def test_log_probs_equal_whole_rows_and_the_cache_is_shared_where_it_can_be(module, architecture):
     kind, path = architecture
     _, model = module.load_model(path)
-    notes = capsys.readouterr().out
     assert module.shares_cache(model) == (kind not in RECURRENT)
-    assert ("rows run whole" in notes) == (kind in RECURRENT)
-    assert ("load-balancing loss is not added" in notes) == (kind in MIXTURES)
     ids = torch.tensor([[5, 6, 7, 8, 11, 12, 13, 14], [5, 6, 7, 8, 15, 2, 0, 0], [0, 9, 10, 8, 16, 17, 2, 0]])
     attention = torch.tensor([[1] * 8, [1] * 6 + [0] * 2, [0] + [1] * 6 + [0]])  # prompts of 4 (two rows) and 3 tokens
     with torch.no_grad():

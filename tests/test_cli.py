@@ -29,8 +29,8 @@ SHARED_BAD_INPUTS = [
     (["--task", "empty.jsonl"], "found 0 (the file is empty)"),
     (["--task", "broken.jsonl"], "broken.jsonl: line 2 is not valid JSON"),
     (["--task", "no_answer.jsonl"], "no_answer.jsonl: line 3 has no field 'answer'"),
-    (["--model", "no-such-org/no-such-model"], "Hugging Face Hub cannot be reached (offline?)"),
-    (["--resume", "nowhere"], "no whole checkpoint"), (["--learning-rate", "-1"], "--learning-rate"),
+    (["--model", "no-such-org/no-such-model"], "couldn't connect to 'https://huggingface.co'"),
+    (["--resume", "nowhere"], "not a checkpoint"), (["--learning-rate", "-1"], "--learning-rate"),
     (["--max-grad-norm", "0"], "--max-grad-norm"), (["--top-p", "1.5"], "--top-p"),
     (["--model", "./adapter"], "a LoRA adapter; continue it with --resume, or train merged/")]
 BAD_FILES = {"empty.jsonl": "", "broken.jsonl": '{"prompt": "1", "answer": "1"}\n{"prompt": "2", "answer"\n',
@@ -48,7 +48,7 @@ OWN_BAD_INPUTS = [
 # to `main` in-process, the slow run sends each to every script's command line, as a user would. A Hub id that
 # cannot be fetched fails as load_model tries it, offline at once only where HF_HUB_OFFLINE is set before the
 # import: the default run sends it to grpo.py's command line.
-HUB = (["--model", "no-such-org/no-such-model"], "Hugging Face Hub cannot be reached (offline?)")
+HUB = (["--model", "no-such-org/no-such-model"], "couldn't connect to 'https://huggingface.co'")
 BAD_INPUTS = [pytest.param(m, a, text, marks=() if (m, (a, text)) == (grpo, HUB) else pytest.mark.slow)
               for m in MODULES for a, text in SHARED_BAD_INPUTS] + [
               pytest.param(*bad, marks=pytest.mark.slow) for bad in OWN_BAD_INPUTS]

@@ -13,10 +13,10 @@ import dapo
 
 
 def loss_of(logprobs, old, advantages, mask, sampler=None, **overrides):
-    """The loss with the sampler's log-probs those of pi_old (every TIS weight 1) unless given."""
+    """The loss; given the sampler's log-probs, as vLLM's (--sampler vllm: truncated importance sampling)."""
+    args = dapo.Args(**{"sampler": "hf" if sampler is None else "vllm", **overrides})
     sampler = old if sampler is None else sampler
-    return dapo.compute_policy_loss(logprobs, old, torch.zeros_like(logprobs), sampler, advantages, mask,
-                                    dapo.Args(**overrides))
+    return dapo.compute_policy_loss(logprobs, old, torch.zeros_like(logprobs), sampler, advantages, mask, args)
 
 
 def test_every_token_of_200_and_10_token_completions_weighs_1_over_210():

@@ -74,7 +74,7 @@ def test_expert_choices_reads_each_completion_token_where_it_sits(tiny_moe):
 
 
 def test_track_counts_the_tokens_whose_experts_change_within_a_step(tiny_moe, tmp_path):
-    """A fake `rollouts` yields three different batches. Step 1 leaves the weights: 0 changed. Step 2 swaps the router
+    """A fake `rollout` returns three different batches. Step 1 leaves the weights: 0 changed. Step 2 swaps the router
     rows of experts 0 and 1: a token's chosen pair changes exactly when it holds one of the two, counted by hand, and
     the change is filed under step 2, the step whose update made it."""
     model = tiny_moe[2]
@@ -90,15 +90,16 @@ def test_track_counts_the_tokens_whose_experts_change_within_a_step(tiny_moe, tm
         batches_in.append(MODULES[0].Batch(input_ids, attention_mask, completion_mask, None, None, reward_parts=parts))
 
     path = str(tmp_path / "track.jsonl")
-    batches = track.tracked(lambda *args: iter(batches_in), path)(model, None, None, None, None, 0, 1)
-    next(batches)  # step 1: nothing changes
-    next(batches)  # step 2 swaps experts 0 and 1 in every router
+    given = iter(batches_in)
+    rollout = track.tracked(lambda *args: next(given), path)
+    rollout(model, None, None, None, 0, 0, 1)  # step 1: nothing changes
+    rollout(model, None, None, None, 4, 0, 1)  # step 2 swaps experts 0 and 1 in every router
     before = track.expert_choices(model, *batches_in[1][:3])  # (layers, tokens, 2), under the old weights
     saved = [r.weight.detach().clone() for r in routers(model)]
     with torch.no_grad():
         for r in routers(model):
             r.weight[[0, 1]] = r.weight[[1, 0]].clone()
-    next(batches)
+    rollout(model, None, None, None, 8, 0, 1)
     with torch.no_grad():
         for r, w in zip(routers(model), saved):
             r.weight.copy_(w)

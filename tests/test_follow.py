@@ -1,5 +1,5 @@
-"""A run you can follow, in each script: a line per step with where the run is and when it ends, progress bars on
-a terminal only, no interleaved bars of transformers', a summary at the end, --steps 0 to evaluate alone, a
+"""A run you can follow, in each script: a line per step with where the run is and when it ends (the one progress
+display), no interleaved bars of transformers', a summary at the end, --steps 0 to evaluate alone, a
 completions table with prompts and references, --track, and the system prompt reaching the prompts."""
 
 import fcntl
@@ -76,19 +76,17 @@ def run_in_terminal(argv: list[str], cwd) -> str:
     return output.decode(errors="replace")
 
 
-def test_progress_bars_on_a_terminal_and_plain_lines_in_a_file(tiny_model, copy_task, tmp_path):
-    """At a terminal, sampling, evaluation and training show bars (redrawn in place); in a file or a pipe, none.
+def test_plain_lines_at_a_terminal_and_in_a_file(tiny_model, copy_task, tmp_path):
+    """The step lines are the progress display, at a terminal as in a file or a pipe: no bar redrawn in place, and
     transformers' own bars (loading weights, writing the checkpoint's shards) never break into the run's lines."""
     argv = [grpo.__file__, *tiny_run(grpo, tiny_model, copy_task, "--steps", "2", "--eval-every", "2",
                                      "--save-every", "1")]
     terminal = run_in_terminal(argv, tmp_path)
-    for bar in ("sampling", "evaluating", "training"):
-        assert re.search(rf"\r{bar}: +\d+%", terminal), bar
     piped = subprocess.run([sys.executable, *argv], cwd=tmp_path, capture_output=True, text=True)
     assert piped.returncode == 0
     for output in (terminal, piped.stdout + piped.stderr):
         assert "Writing model shards" not in output and "Loading weights" not in output
-    assert "sampling:" not in piped.stderr and "\r" not in piped.stdout + piped.stderr
+        assert "\r" not in output.replace("\r\n", "\n") and re.search(r"^step 2/2: reward", output, re.M)
 
 
 @pytest.mark.parametrize("module", FIRST_FAST)
@@ -175,5 +173,6 @@ def test_the_system_prompt_reaches_every_prompt(tiny_model, copy_task, tmp_path,
         grpo.main(tyro.cli(grpo.Args, args=tiny_run(grpo, tiny_model, copy_task, "--steps", "1", "--eval-every", "0",
                                                      "--system-prompt", value, "--output-dir", f"ckpt{len(seen)}")))
     assert seen == [None, "0 0"]
+    pytest.importorskip("reasoning_gym")  # an optional extra (requirements.txt): its prompts only with it
     reasoning_gym = rewards.resolve_system_prompt("auto", "reasoning_gym:chain_sum")
     assert "<answer>" in reasoning_gym and reasoning_gym == rewards.resolve_system_prompt("default", "arithmetic")

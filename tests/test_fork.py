@@ -1,8 +1,9 @@
-"""docs/fork.md's two forks, built from its diffs applied to today's grpo.py (so the guide cannot go stale), then
+"""docs/fork.md's three forks, built from its diffs applied to today's grpo.py (so the guide cannot go stale), then
 checked as the shared tests check the scripts: hand-computed advantages and loss, micro-batch invariance, exact
 ratios and KL before any update in bf16, and a two-step run through the command line."""
 
 import importlib.util
+import math
 import os
 import re
 import shutil
@@ -18,7 +19,7 @@ from test_runs import TINY, check_micro_batch_invariance
 GUIDE = os.path.join(ROOT, "docs", "fork.md")
 
 
-@pytest.fixture(scope="module", params=["drgrpo", "rloo"])
+@pytest.fixture(scope="module", params=["drgrpo", "rloo", "cispo"])
 def fork(request, tmp_path_factory):
     """The fork's module: grpo.py copied to NAME.py, the guide's diff for it applied with `git apply`."""
     name = request.param
@@ -40,7 +41,7 @@ def fork(request, tmp_path_factory):
 
 
 def test_the_fork_changes_only_the_algorithm(fork):
-    """The plumbing, Batch, sample and evaluate are grpo.py's, and the diff is a few lines."""
+    """The plumbing is grpo.py's, and the diff is a few lines (a token-level loss changes a few more in main)."""
     with open(os.path.join(ROOT, "grpo.py")) as f:
         grpo = f.read()
     with open(fork.__file__) as f:
@@ -48,22 +49,28 @@ def test_the_fork_changes_only_the_algorithm(fork):
     marker = re.compile(r"^# -+ plumbing", re.M)
     assert source[marker.search(source).start():] == grpo[marker.search(grpo).start():]
     changed = subprocess.run(["diff", os.path.join(ROOT, "grpo.py"), fork.__file__], capture_output=True, text=True)
-    assert 0 < len([line for line in changed.stdout.splitlines() if line[:1] in "<>"]) <= 16
+    limit = {"drgrpo": 16, "rloo": 16, "cispo": 45}[fork.__name__]
+    assert 0 < len([line for line in changed.stdout.splitlines() if line[:1] in "<>"]) <= limit
 
 
 def test_hand_computed_advantages_and_loss(fork):
     """Rewards [1, 0, 0, 1]: Dr. GRPO's advantages [0.5, -0.5, -0.5, 0.5]; RLOO's [2/3, -2/3, -2/3, 2/3] (1 minus
-    the mean of the other three, 1/3). On-policy, completions of 1 and 3 tokens with advantages 1 and -1, L_max 4:
-    Dr. GRPO's loss (-1 * 1 + 1 * 3) / 2 / 4 = 0.25, RLOO's GRPO's per-completion mean, (-1 + 1) / 2 = 0."""
+    the mean of the other three, 1/3); CISPO's GRPO's, 0.5 / (std + 1e-4), the sample std sqrt(1/3). On-policy,
+    completions of 1 and 3 tokens with advantages 1 and -1, L_max 4: Dr. GRPO's loss (-1 * 1 + 1 * 3) / 2 / 4 = 0.25,
+    RLOO's GRPO's per-completion mean, (-1 + 1) / 2 = 0, CISPO's -(log 0.5 - log 0.4 - log 0.3 - log 0.2) / 4, every
+    weight 1 and every token weighing 1/4."""
     advantages = fork.compute_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 4)
-    expected = {"drgrpo": [0.5, -0.5, -0.5, 0.5], "rloo": [2 / 3, -2 / 3, -2 / 3, 2 / 3]}[fork.__name__]
+    grpo = 0.5 / (math.sqrt(1 / 3) + 1e-4)
+    expected = {"drgrpo": [0.5, -0.5, -0.5, 0.5], "rloo": [2 / 3, -2 / 3, -2 / 3, 2 / 3],
+                "cispo": [grpo, -grpo, -grpo, grpo]}[fork.__name__]
     assert torch.allclose(advantages, torch.tensor(expected))
     logprobs = torch.log(torch.tensor([[0.5, 0.0, 0.0], [0.4, 0.3, 0.2]]).clamp(min=1e-9))
     mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
     args = fork.Args(beta=0.0, max_new_tokens=4)
     loss, _ = fork.compute_policy_loss(logprobs, logprobs.detach(), logprobs.detach(), logprobs.detach(),
                                        torch.tensor([1.0, -1.0]), mask, args)
-    assert loss.item() == pytest.approx({"drgrpo": 0.25, "rloo": 0.0}[fork.__name__])
+    cispo = -(math.log(0.5) - math.log(0.4) - math.log(0.3) - math.log(0.2)) / 4
+    assert loss.item() == pytest.approx({"drgrpo": 0.25, "rloo": 0.0, "cispo": cispo}[fork.__name__])
 
 
 def test_micro_batching_changes_neither_the_update_nor_the_logged_statistics(fork, tiny_model, copy_task, tmp_path,

@@ -10,8 +10,8 @@ import grpo
 
 
 def loss_of(logprobs, old, advantages, mask, ref=None, sampler=None, **overrides):
-    """The loss with the sampler's log-probs those of pi_old (every TIS weight 1) unless given."""
-    args = grpo.Args(**{"beta": 0.0, **overrides})
+    """The loss; given the sampler's log-probs, as vLLM's (--sampler vllm: truncated importance sampling)."""
+    args = grpo.Args(**{"beta": 0.0, "sampler": "hf" if sampler is None else "vllm", **overrides})
     ref = torch.zeros_like(logprobs) if ref is None else ref
     sampler = old if sampler is None else sampler
     return grpo.compute_policy_loss(logprobs, old, ref, sampler, advantages, mask, args)
@@ -114,3 +114,7 @@ def test_truncated_importance_sampling_hand_computed():
     assert stats["tis_truncated_fraction"] == pytest.approx(0.5)
     off, stats = loss_of(logprobs, old, torch.tensor([1.0]), mask, sampler=sampler, tis_cap=0.0)
     assert off.item() == pytest.approx(-1.0) and stats["tis_truncated_fraction"] == 0.0
+    # --sampler hf: `generate` drew with the trainer's own model; its log-probs weigh nothing
+    hf, stats = grpo.compute_policy_loss(logprobs, old, torch.zeros(1, 2), sampler, torch.tensor([1.0]), mask,
+                                         grpo.Args(beta=0.0))
+    assert hf.item() == pytest.approx(-1.0) and stats["tis_truncated_fraction"] == 0.0

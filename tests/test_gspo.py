@@ -9,8 +9,8 @@ import gspo
 
 
 def loss_of(logprobs, old, advantages, mask, sampler=None, **overrides):
-    """The loss with the sampler's log-probs those of pi_old (every TIS weight 1) unless given."""
-    args = gspo.Args(**overrides)
+    """The loss; given the sampler's log-probs, as vLLM's (--sampler vllm: truncated importance sampling)."""
+    args = gspo.Args(**{"sampler": "hf" if sampler is None else "vllm", **overrides})
     sampler = old if sampler is None else sampler
     return gspo.compute_policy_loss(logprobs, old, torch.zeros_like(logprobs), sampler, advantages, mask, args)
 

@@ -133,6 +133,6 @@ def test_truncated_importance_sampling_weighs_the_policy_loss_hand_computed():
     old = torch.tensor([[0.5, 0.6]]).log()
     sampler = torch.tensor([[1.0, 0.2]]).log()
     loss, stats = ppo.compute_policy_loss(old.clone(), old, torch.zeros(1, 2), sampler, torch.tensor([[1.0, -1.0]]),
-                                          torch.ones(1, 2), ppo.Args(beta=0.0, tis_cap=2.0))
+                                          torch.ones(1, 2), ppo.Args(beta=0.0, sampler="vllm", tis_cap=2.0))
     assert loss.item() == pytest.approx(0.75) and stats["tis_truncated_fraction"] == pytest.approx(0.5)
     assert "sampler_logprobs" not in inspect.signature(ppo.compute_value_loss).parameters

@@ -2,7 +2,6 @@
 and rotated, SIGINT and SIGTERM stop cleanly, non-finite updates are skipped, a reward function that raises costs
 one completion its score, and a cut prompt is reported."""
 
-import dataclasses
 import glob
 import os
 import re
@@ -55,6 +54,7 @@ def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(module, lor
     (run_dir,) = glob.glob(str(whole / "ckpt" / "*"))
     shutil.copytree(whole, resumed)
     shutil.rmtree(resumed / "ckpt" / os.path.basename(run_dir) / "step_4")  # as if stopped after step 2
+    (resumed / "ckpt" / os.path.basename(run_dir) / "latest").write_text("step_2")
     # TensorBoard reads a run's event files in the order of their names, which begin with the second each was
     # opened in and end with a counter: a tiny run resumed within the same second could sort before the first
     time.sleep(1)
@@ -73,7 +73,7 @@ def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(module, lor
     assert len(moments[0]) > 0 and all(torch.equal(a, b) for a, b in zip(*moments))
     if module.__name__ == "ppo":
         assert all(torch.equal(states[0]["critic"][k], v) for k, v in states[1]["critic"].items())
-    assert states[1]["cursor"] == states[0]["cursor"] and states[1]["step"] == 4
+    assert states[1]["prompts_taken"] == states[0]["prompts_taken"] == 4 * 2 and states[1]["step"] == 4
     whole_scalars, resumed_scalars = read_run(str(whole))[0], read_run(str(resumed))[0]
     assert [s for s, _ in resumed_scalars["charts/reward_mean"]] == [1, 2, 3, 4]
     assert resumed_scalars["charts/eval_accuracy"] == whole_scalars["charts/eval_accuracy"]
@@ -120,8 +120,8 @@ def test_a_signal_stops_after_the_step_saves_and_exits_0_and_the_run_resumes(mod
     argv = small_run(module, tiny_model, copy_task, "--steps", "10000", "--eval-every", "0", "--save-every", "0")
     output, first = stop(start([module.__file__, *argv], tmp_path, "TensorBoard"), signum)
     (run_dir,) = glob.glob(str(tmp_path / "ckpt" / "*"))
-    # nothing else: no temporary folder left (.lock: the run holds its folder while it runs)
-    assert sorted(os.listdir(run_dir)) == [".lock", "latest", f"step_{first}"]
+    # nothing else: no temporary folder left
+    assert sorted(os.listdir(run_dir)) == ["latest", f"step_{first}"]
     checkpoint = os.path.join(run_dir, f"step_{first}")
     assert os.path.isfile(os.path.join(checkpoint, "training_state.pt"))
     command = shlex.split(re.search(r"resume with: (.*)", output).group(1))
@@ -190,23 +190,30 @@ def test_prompts_longer_than_max_prompt_tokens_are_reported(module, tiny_model, 
 @pytest.mark.parametrize("module", MODULES)
 def test_a_crash_while_saving_leaves_no_checkpoint_that_looks_complete(module, tiny_model, tmp_path, monkeypatch):
     """`save_checkpoint` writes into .tmp-step_N and renames it into place, then points `latest` at it: a crash while
-    writing the training state leaves the earlier checkpoint the one --resume .../latest continues from."""
+    writing the training state (the process killed: nothing cleans up) leaves the earlier checkpoint the one
+    --resume .../latest continues from; the next save of that step starts afresh."""
     tokenizer, model = module.load_model(tiny_model)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    state = {"script": f"{module.__name__}.py", "args": dataclasses.asdict(module.Args())}
-    module.save_checkpoint(str(run_dir / "step_2"), model, tokenizer, {**state, "step": 2}, keep=1)
+    args = module.Args(keep_checkpoints=1)
+    module.save_checkpoint(str(run_dir), model, tokenizer, {"step": 2}, args)
 
     def crash(*args, **kwargs):  # the process dies in the middle of the write (a failed write is handled)
         raise KeyboardInterrupt("killed")
 
+    save = torch.save
     monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(KeyboardInterrupt, match="killed"):
-        module.save_checkpoint(str(run_dir / "step_4"), model, tokenizer, {**state, "step": 4}, keep=1)
+        module.save_checkpoint(str(run_dir), model, tokenizer, {"step": 4}, args)
     assert sorted(os.listdir(run_dir)) == [".tmp-step_4", "latest", "step_2"]
     (run_dir / "step_6").mkdir()  # a folder without training_state.pt (copied by hand, say) is not complete either
-    args, loaded = module.resume(module.Args(resume=str(run_dir / "latest")))
-    assert args.resume == str(run_dir / "step_2") and loaded["step"] == 2
+    resumed, loaded = module.resume(module.Args(resume=str(run_dir / "latest")))
+    assert resumed.resume == str(run_dir / "step_2") and loaded["step"] == 2
+    with pytest.raises(SystemExit, match=r"step_6: not a checkpoint \(no training_state.pt\)"):
+        module.resume(module.Args(resume=str(run_dir / "step_6")))
+    monkeypatch.setattr(torch, "save", save)
+    module.save_checkpoint(str(run_dir), model, tokenizer, {"step": 4}, args)
+    assert sorted(os.listdir(run_dir)) == ["latest", "step_4", "step_6"]
 
 
 @pytest.mark.parametrize("module", MODULES)
@@ -234,7 +241,8 @@ def test_a_run_under_torchrun_prints_the_torchrun_command_that_resumes_it(monkey
     monkeypatch.setattr(sys, "argv", ["grpo.py"])
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert MODULES[0].resume_command("ckpt/step_3") == "torchrun --nproc_per_node=2 grpo.py --resume ckpt/step_3"
+    expected = "torchrun --nproc_per_node=2 --nnodes=1 grpo.py --resume ckpt/step_3"
+    assert MODULES[0].resume_command("ckpt/step_3") == expected
     monkeypatch.setenv("WORLD_SIZE", "16")  # two nodes of 8
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert MODULES[0].resume_command("x") == "torchrun --nproc_per_node=8 --nnodes=2 grpo.py --resume x"

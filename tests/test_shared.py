@@ -50,7 +50,7 @@ class FixedGenerator(torch.nn.Module):
     def forward(self, input_ids, attention_mask, position_ids, use_cache, cache, logits_to_keep):  # the prompt pass
         self.prompt_rows = len(input_ids)
 
-    def generate(self, input_ids, attention_mask, generation_config, logits_processor, streamer, synced_gpus, cache):
+    def generate(self, input_ids, attention_mask, generation_config, logits_processor, synced_gpus, cache):
         assert synced_gpus is False  # ranks decode on their own (the weights are gathered first)
         return torch.cat([input_ids, self.completions], 1)
 
@@ -272,16 +272,16 @@ def test_bfloat16_compute_trains_float32_weights_that_move(module, tiny_model, c
     assert changed / total > 0.5, f"{changed / total:.1%} of the entries changed"
 
 
-def test_the_plumbing_sample_and_evaluate_are_identical_in_all_four_scripts():
-    """Everything below the plumbing marker, and `sample` and `evaluate` above it, are the same text in every script,
-    so `diff` shows only the algorithm."""
+def test_the_plumbing_and_the_step_s_shared_functions_are_identical_in_all_four_scripts():
+    """Everything below the plumbing marker, and the functions of a step that every script calls alike above it, are
+    the same text in every script, so `diff` shows only the algorithm."""
     shared = {}
     for m in MODULES:
         with open(m.__file__) as f:
             source = f.read()
         shared[m.__name__] = (source[re.search(r"^# -+ plumbing", source, re.M).start():],
-                              inspect.getsource(m.Batch), inspect.getsource(m.SoftmaxDraw),
-                              inspect.getsource(m.sample), inspect.getsource(m.evaluate))
+                              *(inspect.getsource(f) for f in (m.Batch, m.SoftmaxDraw, m.sample, m.sample_vllm,
+                                                               m.evaluate, m.micro_batches, m.reference_logprobs)))
     assert len(set(shared.values())) == 1 and len(shared["grpo"][0].splitlines()) > 300, "see diff grpo.py ppo.py"
 
 
@@ -297,7 +297,7 @@ def test_lora_trains_only_its_adapters_and_its_reference_is_the_base_model(modul
     the only trainable weights; with the adapter off (the reference policy) the log-probs are the base model's; the
     prompt-sharing forward still equals whole rows."""
     _, base = module.load_model(tiny_model)
-    model = module.add_lora(module.load_model(tiny_model)[1], module.Args(lora_rank=2), None)
+    model = module.add_lora(module.load_model(tiny_model)[1], module.Args(lora_rank=2))
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
     assert len(trainable) == 2 * 7 * base.config.num_hidden_layers and all("lora_" in n for n in trainable)
     for name, p in model.named_parameters():
@@ -323,6 +323,7 @@ def test_run_names_are_folder_names_on_any_system(module, tmp_path, monkeypatch)
     (tmp_path / "two_rows.parquet").write_text("")
     for task, name in [("reasoning_gym:chain_sum", "reasoning_gym_chain_sum"), ("./two_rows.parquet", "two_rows"),
                        ("openai/gsm8k", "openai_gsm8k")]:
-        run_dir, writer, held = module.start_run(module.Args(task=task, exp_name="x", seed=3), None, 1, "")  # rank 1:
-        assert held is None  # it writes no file, and holds nothing
+        args, state = module.resume(module.Args(task=task, exp_name="x", seed=3))
+        run_dir, writer = module.start_run(args, state, 1, "")  # rank 1: it writes no file
         assert os.path.basename(run_dir).startswith(f"{name}__x__3__") and writer is None
+        assert not os.path.exists(tmp_path / "runs")
