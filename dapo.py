@@ -657,21 +657,21 @@ def main(args: Args) -> None:
                             logprobs, old_logprobs[micro], ref_logprobs[micro],
                             batch.sampler_logprobs[micro], advantages[micro],
                             batch.completion_mask[micro], args)
+                        # ALGO: the entropy (logged), averaged over tokens as the loss averages them
+                        mean_entropy = masked_mean(entropy, batch.completion_mask[micro])
                         weight = batch.completion_mask[micro].sum()
                         # the mini-batch's mean, accumulated exactly over its micro-batches; DAPO:
                         # its tokens on every rank, as one rank's share
                         tokens = all_gather(batch.completion_mask[rows].sum()).sum() / world
                         (loss * weight / tokens).backward()
-                        # ALGO: the entropy (logged), averaged over tokens as the loss averages them
-                        mean_entropy = masked_mean(entropy, batch.completion_mask[micro])
                         stats["entropy"] = mean_entropy.item()
                         step_stats.append((float(weight), stats))
                     parameters = model.parameters()
                     grad_norm = torch.nn.utils.clip_grad_norm_(parameters, args.max_grad_norm)
                     step_stats.append((1.0, {"grad_norm": grad_norm.item()}))
                     # a non-finite loss or gradient (its norm) on any rank: no rank updates
-                    finite = torch.tensor([math.isfinite(grad_norm.item())])
-                    if all_gather(finite).all():
+                    finite = [math.isfinite(grad_norm.item())]
+                    if all_gather(torch.tensor(finite)).all():
                         optimizer.step()
                         skipped_in_a_row = 0
                     else:
@@ -693,6 +693,7 @@ def main(args: Args) -> None:
             sampled_tokens = count_tokens(batch, torch.arange(N), args.group_size)
             trained_tokens = count_tokens(batch, kept, args.group_size)  # DAPO: kept groups
             old_tokens = trained_tokens - count_tokens(batch, minibatch_rows[0], args.group_size)
+            ref_tokens = trained_tokens * (ref_model is not None)
             filtered = 1 - keep.float().mean().item()  # DAPO: the fraction of groups dropped
             log_step(writer, step, batch, args, {
                 "zero_std_fraction": (group_stds == 0).float().mean().item(),
@@ -708,7 +709,7 @@ def main(args: Args) -> None:
                 "time_logprobs": logprobs_seconds,
                 "time_train": train_seconds,
                 "tokens_sampled": sampled_tokens,
-                "tokens_forward": old_tokens + trained_tokens * (ref_model is not None),
+                "tokens_forward": old_tokens + ref_tokens,
                 "tokens_trained": args.num_iterations * trained_tokens,
                 # DAPO: over the kept rows, the only ones with pi_old
                 **sampler_gap(old_logprobs[kept], batch.sampler_logprobs[kept],

@@ -572,19 +572,19 @@ def main(args: Args) -> None:
                             logprobs, old_logprobs[micro], ref_logprobs[micro],
                             batch.sampler_logprobs[micro], advantages[micro],
                             batch.completion_mask[micro], args)
+                        # ALGO: the entropy (logged), averaged over tokens as the loss averages them
+                        mean_entropy = masked_mean(entropy, batch.completion_mask[micro], 1).mean()
                         weight = len(micro)
                         # the mini-batch's mean, accumulated exactly over its micro-batches
                         (loss * weight / len(rows)).backward()
-                        # ALGO: the entropy (logged), averaged over tokens as the loss averages them
-                        mean_entropy = masked_mean(entropy, batch.completion_mask[micro], 1).mean()
                         stats["entropy"] = mean_entropy.item()
                         step_stats.append((float(weight), stats))
                     parameters = model.parameters()
                     grad_norm = torch.nn.utils.clip_grad_norm_(parameters, args.max_grad_norm)
                     step_stats.append((1.0, {"grad_norm": grad_norm.item()}))
                     # a non-finite loss or gradient (its norm) on any rank: no rank updates
-                    finite = torch.tensor([math.isfinite(grad_norm.item())])
-                    if all_gather(finite).all():
+                    finite = [math.isfinite(grad_norm.item())]
+                    if all_gather(torch.tensor(finite)).all():
                         optimizer.step()
                         skipped_in_a_row = 0
                     else:
@@ -605,6 +605,7 @@ def main(args: Args) -> None:
             means = weighted_means(step_stats)  # of the losses' statistics, over every rank
             trained_tokens = count_tokens(batch, torch.arange(B), args.group_size)
             old_tokens = trained_tokens - count_tokens(batch, minibatch_rows[0], args.group_size)
+            ref_tokens = trained_tokens * (ref_model is not None)
             log_step(writer, step, batch, args, {
                 "zero_std_fraction": (group_stds == 0).float().mean().item(),
                 "learning_rate": learning_rate,
@@ -615,7 +616,7 @@ def main(args: Args) -> None:
                 "time_logprobs": logprobs_seconds,
                 "time_train": train_seconds,
                 "tokens_sampled": trained_tokens,  # every sampled completion is trained on
-                "tokens_forward": old_tokens + trained_tokens * (ref_model is not None),
+                "tokens_forward": old_tokens + ref_tokens,
                 "tokens_trained": args.num_iterations * trained_tokens,
                 **sampler_gap(old_logprobs, batch.sampler_logprobs, batch.completion_mask),
             }, means)

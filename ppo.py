@@ -691,7 +691,7 @@ def main(args: Args) -> None:
                         value_loss, value_stats = compute_value_loss(
                             new_values, old_values[micro], returns[micro],
                             batch.completion_mask[micro], args)  # PPO
-                        # ALGO: the entropy, averaged over tokens as the loss averages them
+                        # ALGO: the entropy (logged), averaged over tokens as the loss averages them
                         mean_entropy = masked_mean(entropy, batch.completion_mask[micro])
                         total = loss + args.vf_coef * value_loss - args.entropy_coef * mean_entropy
                         weight = batch.completion_mask[micro].sum()
@@ -711,9 +711,8 @@ def main(args: Args) -> None:
                     step_stats.append((1.0, {"grad_norm": grad_norm.item(),
                                              "value_grad_norm": value_grad_norm.item()}))
                     # a non-finite loss or gradient (its norm) on any rank: no rank updates
-                    norms = [grad_norm.item(), value_grad_norm.item()]
-                    finite = torch.tensor([all(map(math.isfinite, norms))])
-                    if all_gather(finite).all():
+                    finite = [math.isfinite(grad_norm.item() + value_grad_norm.item())]  # PPO: both
+                    if all_gather(torch.tensor(finite)).all():
                         optimizer.step()
                         skipped_in_a_row = 0
                     else:
@@ -735,6 +734,7 @@ def main(args: Args) -> None:
             old_tokens = trained_tokens - count_tokens(batch, minibatch_rows[0], args.group_size)
             if args.beta > 0:  # PPO: but for the KL penalty, it takes every row
                 old_tokens = trained_tokens
+            ref_tokens = trained_tokens * (ref_model is not None)
             tokens = all_gather(batch.completion_mask.sum()).sum()  # PPO: every rank's
             mask = batch.completion_mask
             log_step(writer, step, batch, args, {
@@ -750,10 +750,8 @@ def main(args: Args) -> None:
                 "time_logprobs": logprobs_seconds,
                 "time_train": train_seconds,
                 "tokens_sampled": trained_tokens,  # every sampled completion is trained on
-                # PPO: V_old; the policy and the critic trained
-                "tokens_forward": old_tokens + trained_tokens * (ref_model is not None)
-                + trained_tokens,
-                "tokens_trained": 2 * args.num_iterations * trained_tokens,
+                "tokens_forward": old_tokens + ref_tokens + trained_tokens,  # PPO: V_old
+                "tokens_trained": 2 * args.num_iterations * trained_tokens,  # PPO: and the critic
                 **sampler_gap(old_logprobs, batch.sampler_logprobs, batch.completion_mask),
             }, means)
             # PPO: nan when every return is equal
