@@ -27,8 +27,9 @@ Run (the default model is SmolLM2-135M-Instruct, the default task built-in arith
     torchrun --nproc_per_node 8 dapo.py --model Qwen/Qwen2.5-7B-Instruct --num-prompts 64
 
 To fork (docs/fork.md): the algorithm is the section under `Args` and the lines of `main` marked
-ALGO. `sample`, `evaluate` and everything under the plumbing marker are the same text in all four
-scripts (a test checks it), so `diff grpo.py gspo.py` shows only what an algorithm changes.
+ALGO. The step's shared functions (`sample`, `evaluate`, ...) and everything under the plumbing
+marker are the same text in all four scripts (a test checks it), so `diff grpo.py gspo.py` shows
+only what an algorithm changes.
 
 Deliberate simplifications, each to keep the file readable (docs/ says more):
   - precision: float32 weights, gradients and AdamW state; bf16 compute by autocast where the
@@ -44,6 +45,7 @@ Deliberate simplifications, each to keep the file readable (docs/ says more):
 import contextlib
 import copy
 import datetime
+import functools
 import importlib.util
 import inspect
 import json
@@ -303,10 +305,9 @@ def rollout(model, tokenizer, task: rewards.Task, args: Args, prompts_taken: int
             world: int, llm=None) -> Batch:
     """Steps 1 to 3 of a training step: take the next num_prompts prompts (`prompts_taken` were
     taken before), sample G completions of each, score them. Each rank takes its share."""
-    # 1. take num_prompts prompts, cycling through the train split in one shuffled order (its own
-    # generator: a resumed run rebuilds it); a prompt's group stays on one rank
-    order = list(range(len(task.train)))
-    random.Random(args.seed).shuffle(order)
+    # 1. take num_prompts prompts, cycling through the train split in one shuffled order; a
+    # prompt's group stays on one rank
+    order = shuffled(len(task.train), args.seed)
     share = args.num_prompts // world
     drawn = [prompts_taken + rank * share + k for k in range(share)]  # this rank's, run-wide
     picked = [task.train[order[index % len(order)]] for index in drawn]
@@ -343,6 +344,14 @@ def rollout(model, tokenizer, task: rewards.Task, args: Args, prompts_taken: int
                           prompts=prompts, answers=answers)
 
 
+@functools.cache
+def shuffled(size: int, seed: int) -> list[int]:
+    """0 .. size - 1 in the order `seed` draws (its own generator: a resumed run rebuilds it)."""
+    order = list(range(size))
+    random.Random(seed).shuffle(order)
+    return order
+
+
 class SoftmaxDraw(LogitsProcessor):
     """Draws each row's next token from softmax(logits / temperature), cut to the top-p nucleus,
     and leaves only it for `generate` to take greedily. (generate's own draw, torch.multinomial,
@@ -374,7 +383,8 @@ def sample(model, tokenizer, prompt_ids: list[list[int]], repeat: int, gen_confi
            draw: SoftmaxDraw | None) -> Batch:
     """Batched generation, each prompt `repeat` times in a row (B rows), tokens drawn by `draw`,
     greedy when None. Each prompt runs once (`prompt_cache`) and its keys and values are copied to
-    its rows; under FSDP2 the weights are gathered, and each rank decodes alone."""
+    its rows. Under FSDP2 the caller gathers the weights first (`gathered`): each rank decodes
+    alone."""
     width = max(len(ids) for ids in prompt_ids)
     pad = tokenizer.pad_token_id
     device = next(model.parameters()).device
@@ -532,7 +542,7 @@ def main(args: Args) -> None:
     accuracy = state["accuracy"]  # held-out greedy accuracy by step
     skipped = state["skipped_updates"]  # updates skipped for a non-finite loss or gradient
     if args.resume:
-        restore(state, model, optimizer, scheduler, args.resume, rank, world)
+        restore(state, model, optimizer, scheduler, args.resume, rank)
     # every prompt as token ids (record["prompt_ids"]) after the system prompt, cut to
     # --max-prompt-tokens
     system_prompt = rewards.resolve_system_prompt(args.system_prompt, args.task)
@@ -553,8 +563,8 @@ def main(args: Args) -> None:
     stopping = False
     rewards_by_step = {}  # the mean reward of each step this process runs, for the summary
     loop_start = time.time()
-    # held-out accuracy before training (a resumed run: at its step, unless measured then)
-    if args.eval_every > 0 and step not in accuracy and not args.preflight:
+    # held-out accuracy before training (a resumed run measured its own with its checkpoint)
+    if step == 0 and args.eval_every > 0 and not args.preflight:
         with autocast:
             accuracy[step] = evaluate(model, tokenizer, eval_records, task.correctness, args,
                                       writer, step)
@@ -574,10 +584,12 @@ def main(args: Args) -> None:
                     rounds.append(rollout(model, tokenizer, task, args, prompts_taken, rank, world,
                                           llm))
                 prompts_taken += args.num_prompts
+                if not args.dynamic_sampling:
+                    break
                 correctness = torch.cat([r.reward_parts["correctness"] for r in rounds])
                 contrast = has_contrast(correctness, args.group_size).sum().item()
                 short = torch.tensor(float(contrast < args.num_prompts // world))
-                if not args.dynamic_sampling or all_gather(short).sum().item() == 0:
+                if all_gather(short).sum().item() == 0:
                     break
             batch = concat_rounds(rounds, tokenizer.pad_token_id)
             N = len(batch.reward)  # DAPO: the rows of every round
@@ -634,10 +646,8 @@ def main(args: Args) -> None:
             train_start = time.time()
             step_stats = []  # (weight, {name: value}) of every micro-batch and of every update
             learning_rate = scheduler.get_last_lr()[0]  # this step's
-            passes = args.num_iterations
-            if len(kept) == 0:  # DAPO: no group has contrast, no update
-                passes = 0
-            for iteration in range(passes):
+            # DAPO: no pass (no update) when no group has contrast
+            for iteration in range(args.num_iterations * (len(kept) > 0)):
                 order = list(range(len(minibatches)))
                 if iteration > 0:
                     order = torch.randperm(len(minibatches)).tolist()
@@ -1051,12 +1061,17 @@ def resume(args: Args) -> tuple[Args, dict]:
     if os.path.basename(checkpoint) == "latest" and os.path.isfile(checkpoint):
         checkpoint = os.path.join(os.path.dirname(checkpoint), Path(checkpoint).read_text().strip())
     if not os.path.isfile(os.path.join(checkpoint, STATE_FILE)):
-        raise SystemExit(f"error: --resume {args.resume}: not a checkpoint (no {STATE_FILE}): "
-                         "give a step_N folder of a run, or its latest")
+        raise SystemExit(f"error: --resume {args.resume}: not a checkpoint (no {STATE_FILE} in "
+                         f"{checkpoint}): give a step_N folder of a run, or its latest")
     state = torch.load(os.path.join(checkpoint, STATE_FILE), weights_only=True)
+    state.setdefault("prompts_taken", state.get("cursor", {}).get("prompts_taken"))  # (before 12/7)
     if state["script"] != os.path.basename(__file__):
         raise SystemExit(f"error: --resume {checkpoint}: a checkpoint of {state['script']}, not "
                          "of this script")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if len(state["rng"]) != world:
+        raise SystemExit(f"error: --resume {checkpoint}: saved by {len(state['rng'])} processes; "
+                         "use as many")
     # the run goes on in its own folder, from wherever it is resumed (a checkpoint moved out of
     # it: in the output dir it was saved with)
     run_folder = os.path.dirname(os.path.abspath(checkpoint))
@@ -1066,11 +1081,8 @@ def resume(args: Args) -> tuple[Args, dict]:
     return Args(**{**state["args"], "resume": checkpoint, "output_dir": output_dir}), state
 
 
-def restore(state: dict, module, optimizer, scheduler, checkpoint: str, rank: int, world: int):
+def restore(state: dict, module, optimizer, scheduler, checkpoint: str, rank: int):
     """The optimizer, the schedule and this rank's random generators as the checkpoint has them."""
-    if len(state["rng"]) != world:
-        raise SystemExit(f"error: --resume {checkpoint}: saved by {len(state['rng'])} processes; "
-                         "use as many")
     full = StateDictOptions(full_state_dict=True)
     set_optimizer_state_dict(module, optimizer, state["optimizer"], options=full)
     scheduler.load_state_dict(state["scheduler"])

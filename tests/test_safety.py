@@ -209,11 +209,29 @@ def test_a_crash_while_saving_leaves_no_checkpoint_that_looks_complete(module, t
     (run_dir / "step_6").mkdir()  # a folder without training_state.pt (copied by hand, say) is not complete either
     resumed, loaded = module.resume(module.Args(resume=str(run_dir / "latest")))
     assert resumed.resume == str(run_dir / "step_2") and loaded["step"] == 2
-    with pytest.raises(SystemExit, match=r"step_6: not a checkpoint \(no training_state.pt\)"):
+    with pytest.raises(SystemExit, match=r"step_6: not a checkpoint \(no training_state.pt in "):
         module.resume(module.Args(resume=str(run_dir / "step_6")))
     monkeypatch.setattr(torch, "save", save)
     module.save_checkpoint(str(run_dir), model, tokenizer, {"step": 4}, args)
     assert sorted(os.listdir(run_dir)) == ["latest", "step_4", "step_6"]
+
+
+def test_a_run_resumed_off_the_evaluation_schedule_keeps_to_it(tiny_model, copy_task, tmp_path, monkeypatch):
+    """Resumed from step 1 (--eval-every 2: no evaluation there), a run evaluates at steps 2 and 3 (the last) only,
+    as the uninterrupted run did; and a checkpoint saved before the data position was a plain count (its `cursor`)
+    resumes at the same position."""
+    train(grpo, tmp_path, small_run(grpo, tiny_model, copy_task, "--steps", "3", "--eval-every", "2",
+                                    "--save-every", "1", "--keep-checkpoints", "0"), monkeypatch)
+    (run_dir,) = glob.glob(str(tmp_path / "ckpt" / "*"))
+    whole = read_run(str(tmp_path))[0]["charts/eval_accuracy"]
+    time.sleep(1)  # (TensorBoard orders a run's event files by the second they were opened in)
+    train(grpo, tmp_path, ["--resume", os.path.join(run_dir, "step_1")], monkeypatch)
+    assert [s for s, _ in read_run(str(tmp_path))[0]["charts/eval_accuracy"]] == [s for s, _ in whole] == [0, 2, 3]
+    state_file = os.path.join(run_dir, "step_1", "training_state.pt")
+    state = torch.load(state_file, weights_only=True)
+    state["cursor"] = {"prompts_taken": state.pop("prompts_taken")}  # as saved before 2026-12-07
+    torch.save(state, state_file)
+    assert grpo.resume(grpo.Args(resume=os.path.join(run_dir, "step_1")))[1]["prompts_taken"] == 2
 
 
 @pytest.mark.parametrize("module", MODULES)
