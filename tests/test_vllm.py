@@ -161,7 +161,7 @@ def test_a_lora_adapter_is_merged_into_the_weights_vllm_samples_with(vllm_model,
                          lora_rank=4, dtype="float32")
         device = torch.device("cpu")
         tokenizer, model = grpo.load_model(args.model)
-        model = grpo.add_lora(model, args, None)
+        model = grpo.add_lora(model, args)
         torch.manual_seed(0)
         for name, parameter in model.named_parameters():
             if "lora_B" in name:
@@ -222,6 +222,7 @@ def test_a_vllm_run_stopped_and_resumed_continues_as_one_run(vllm_model, copy_ta
     (run_dir,) = glob.glob(str(whole / "ckpt" / "*"))
     shutil.copytree(whole, resumed, symlinks=True)
     shutil.rmtree(resumed / "ckpt" / os.path.basename(run_dir) / "step_4")  # as if stopped after step 2
+    (resumed / "ckpt" / os.path.basename(run_dir) / "latest").write_text("step_2")
     time.sleep(1)  # TensorBoard orders a run's event files by the second they were opened in
     latest = os.path.join("ckpt", os.path.basename(run_dir), "latest")
     assert run_script(grpo, "--resume", latest, cwd=str(resumed), env=ENV).returncode == 0
