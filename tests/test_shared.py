@@ -280,8 +280,9 @@ def test_the_plumbing_and_the_step_s_shared_functions_are_identical_in_all_four_
         with open(m.__file__) as f:
             source = f.read()
         shared[m.__name__] = (source[re.search(r"^# -+ plumbing", source, re.M).start():],
-                              *(inspect.getsource(f) for f in (m.Batch, m.SoftmaxDraw, m.sample, m.sample_vllm,
-                                                               m.evaluate, m.micro_batches, m.reference_logprobs)))
+                              *(inspect.getsource(f) for f in (m.Batch, m.shuffled, m.SoftmaxDraw, m.sample,
+                                                               m.sample_vllm, m.evaluate, m.micro_batches,
+                                                               m.reference_logprobs)))
     assert len(set(shared.values())) == 1 and len(shared["grpo"][0].splitlines()) > 300, "see diff grpo.py ppo.py"
 
 
