@@ -233,6 +233,7 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int,
     (B, T), 0 past the longest completion. log p = logit - logsumexp(logits): no log_softmax copy
     of the (B, T, V) logits."""
     T = num_completion_tokens
+    # model(input_ids).logits where they predict completion tokens (each prompt run once: plumbing)
     logits = completion_outputs(model, input_ids, attention_mask, T).float() / temperature
     L = logits.shape[1]  # (B, L, V): L the longest completion of these rows
     targets = input_ids[:, -T:][:, :L]  # (B, L)
