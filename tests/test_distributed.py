@@ -98,6 +98,7 @@ def test_a_two_process_run_resumes_to_the_same_weights(module, tiny_model, copy_
     shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
     for step in (2, 3):
         shutil.rmtree(tmp_path / "resumed" / "ckpt" / run / f"step_{step}")
+    (tmp_path / "resumed" / "ckpt" / run / "latest").write_text("step_1")  # as if stopped after step 1
     launch([argv[0], "--resume", os.path.join("ckpt", run, "latest")], tmp_path / "resumed", 2)
     states = [torch.load(os.path.join(root, "ckpt", run, "step_3", "training_state.pt"), weights_only=True)
               for root in (tmp_path / "whole", tmp_path / "resumed")]
