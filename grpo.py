@@ -52,6 +52,7 @@ import signal
 import sys
 import tempfile
 import time
+import types
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal, NamedTuple
@@ -104,6 +105,7 @@ class Args:
     # model and data
     model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"  # a causal LM: Hub id, folder or .gguf file
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # compute; auto: bf16 where native
+    float32_head: bool = False  # bf16 compute: the LM head's product in float32 (unrounded logits)
     gradient_checkpointing: bool = False  # recompute activations in the backward: less memory
     lora_rank: int = 0  # LoRA (peft) adapters of this rank on every linear layer; 0: no LoRA
     lora_alpha: float = 32.0  # LoRA's update is scaled by lora_alpha / lora_rank
@@ -158,7 +160,9 @@ def compute_policy_loss(logprobs, old_logprobs, ref_logprobs, sampler_logprobs, 
     (B, T) batch, and its statistics, averaged over the tokens as the loss averages them."""
     mask = mask.float()
     log_ratio = logprobs - old_logprobs  # (B, T)
-    ratio = torch.exp(log_ratio)  # w_it = pi_theta / pi_old
+    # clamped to +-20 before exp, as in verl: e^20 = 5e8 is far outside any clip range, and the
+    # ratio stays finite (float32's exp overflows past 88)
+    ratio = torch.exp(log_ratio.clamp(-20, 20))  # w_it = pi_theta / pi_old
     adv = advantages[:, None]  # (B, 1): every token of o_i shares A_i
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - args.clip_eps, 1 + args.clip_eps) * adv
@@ -200,18 +204,25 @@ def compute_policy_loss(logprobs, old_logprobs, ref_logprobs, sampler_logprobs, 
 def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int,
                    temperature: float):
     """log pi(token) of the last `num_completion_tokens` tokens of each row, and the entropy there
-    (B, T), 0 past the longest completion. log p = logit - logsumexp(logits): no log_softmax copy
-    of the (B, T, V) logits."""
+    (B, T), 0 past the longest completion. log p = z_token - logsumexp(z), z = logits / temperature,
+    a few positions at a time: no float32 copy of all the (B, L, V) logits is ever made."""
     T = num_completion_tokens
-    # model(input_ids).logits where they predict completion tokens (each prompt run once: plumbing)
-    logits = completion_outputs(model, input_ids, attention_mask, T).float() / temperature
-    L = logits.shape[1]  # (B, L, V): L the longest completion of these rows
+    # model(input_ids).logits where they predict completion tokens, in two parts (the first token's,
+    # the others'), never copied into one (each prompt run once: plumbing)
+    first, rest = completion_outputs(model, input_ids, attention_mask, T)  # (B, 1, V), (B, L-1, V)
+    B, L, V = len(first), 1 + rest.shape[1], first.shape[2]  # L: the longest completion here
     targets = input_ids[:, -T:][:, :L]  # (B, L)
-    logsumexp = torch.logsumexp(logits, -1)  # (B, L)
-    logprobs = logits.gather(-1, targets[..., None]).squeeze(-1) - logsumexp  # (B, L)
-    # H = logsumexp - sum_v p_v * logit_v, for the logs only
-    with torch.no_grad():
-        entropy = logsumexp - (torch.softmax(logits, -1) * logits).sum(-1)  # (B, L)
+    n = max(1, 2**24 // (B * V))  # positions a chunk: about 2^24 logits, 64 MB in float32
+    logprobs, entropy = [], []
+    chunks = zip([first, *rest.split(n, 1)], [targets[:, :1], *targets[:, 1:].split(n, 1)])
+    for chunk, tokens in chunks:  # (B, n, V), (B, n)
+        z = chunk.float() / temperature  # (B, n, V), float32
+        logsumexp = torch.logsumexp(z, -1)  # (B, n)
+        logprobs.append(z.gather(-1, tokens[..., None]).squeeze(-1) - logsumexp)
+        # H = logsumexp - sum_v p_v z_v, for the logs only
+        with torch.no_grad():
+            entropy.append(logsumexp - (torch.softmax(z, -1) * z).sum(-1))
+    logprobs, entropy = torch.cat(logprobs, 1), torch.cat(entropy, 1)  # (B, L)
     return F.pad(logprobs, (0, T - L)), F.pad(entropy, (0, T - L))  # (B, T)
 
 
@@ -352,14 +363,16 @@ def sample(model, tokenizer, prompt_ids: list[list[int]], repeat: int, gen_confi
 def sample_vllm(llm, tokenizer, prompt_ids: list[list[int]], args: Args, eos_ids: list[int],
                 seeds: list[int], device: torch.device) -> Batch:
     """`sample`'s batch, drawn by vLLM with `sample`'s settings: softmax(logits / temperature) in
-    the top-p nucleus, no top-k, the EOS ids stop and are kept; with each token's log-prob under
-    vLLM (the nucleus renormalised: logprobs_mode="processed_logprobs")."""
+    the top-p nucleus, no top-k, the EOS ids stop and are kept (these alone: ignore_eos drops the
+    EOS vLLM reads from the model's config); with each token's log-prob under vLLM (the nucleus
+    renormalised: logprobs_mode="processed_logprobs")."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = [SamplingParams(n=args.group_size, temperature=args.temperature, top_p=args.top_p,
                              top_k=0, max_tokens=args.max_new_tokens, stop_token_ids=eos_ids,
-                             logprobs=0, seed=seed, detokenize=False) for seed in seeds]
+                             ignore_eos=True, logprobs=0, seed=seed, detokenize=False)
+              for seed in seeds]
     requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
     outputs = llm.generate(requests, params, use_tqdm=False)
     # each prompt's G completions in a row, as `sample` lays them out
@@ -446,6 +459,8 @@ def main(args: Args) -> None:
     # every forward pass (sampling, old, reference, training): float32 weights cast per op
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     tokenizer, model = load_model(args.model)  # float32 weights, on the CPU until sharded
+    if args.float32_head:
+        float32_head(model)  # (the reference, a copy, computes its head so too)
     layers = model._no_split_modules or set()  # the layer classes FSDP2 shards one by one
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -654,7 +669,8 @@ FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_fro
 
 def completion_outputs(model, input_ids, attention_mask, num_completion_tokens: int):
     """model(...)[0] (an LM's logits, a backbone's hidden states) at the positions that predict the
-    last `num_completion_tokens` tokens of each row: (B, L, .), L the longest completion here.
+    last `num_completion_tokens` tokens of each row, in two parts, never copied into one: (B, 1, .)
+    for the first completion token, (B, L - 1, .) for the others, L the longest completion here.
     Each distinct prompt runs once, its keys and values serving all its rows: the outputs and
     gradients of whole rows (tested), for less work. Always two model calls (one for whole rows):
     under FSDP2 each is a collective, and every rank must make the same."""
@@ -678,7 +694,7 @@ def completion_outputs(model, input_ids, attention_mask, num_completion_tokens: 
         head = {"logits_to_keep": L + 1} if is_lm else {}
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
                     **head)
-        return out[0][:, -L - 1 : -1]
+        return out[0][:, -L - 1 : -L], out[0][:, -L:-1]
     # 1. the prompts, once each; the last position predicts the first completion token
     cache = DynamicCache()
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
@@ -694,7 +710,7 @@ def completion_outputs(model, input_ids, attention_mask, num_completion_tokens: 
     positions = prompt_mask.sum(1)[index, None] + torch.arange(n, device=input_ids.device)
     out = model(input_ids=completion_ids[:, :n], attention_mask=mask, position_ids=positions,
                 use_cache=True, **cache_kwarg(model, cache))
-    return torch.cat([first, out[0][:, : L - 1]], 1)  # (B, L, .)
+    return first, out[0][:, : L - 1]  # (B, 1, .), (B, L - 1, .)
 
 
 def prompt_cache(model, input_ids, prompt_mask, repeat: int) -> dict:
@@ -1312,15 +1328,27 @@ def shard(module: torch.nn.Module, layer_names: set, device: torch.device) -> to
 
 def reference_copy(model, dtype: torch.dtype):
     """A frozen copy of the initial policy that computes exactly what the policy computes, in train
-    mode as it is (no dropout): float32, but each linear layer (except one tied to the embedding)
-    stored in `dtype`, to which autocast casts it for every product anyway: the same values in
-    half the memory."""
+    mode as it is (no dropout): float32, but each linear layer but the LM head (--float32-head
+    computes with it; tied, it is the embedding) stored in `dtype`, to which autocast casts it for
+    every product anyway: the same values in half the memory."""
     ref_model = copy.deepcopy(model).requires_grad_(False)
-    embedding = ref_model.get_input_embeddings().weight
+    head = ref_model.get_output_embeddings()
     for module in ref_model.modules():
-        if isinstance(module, torch.nn.Linear) and module.weight is not embedding:
+        if isinstance(module, torch.nn.Linear) and module is not head:
             module.to(dtype)
     return ref_model
+
+
+def float32_head(model) -> None:
+    """--float32-head: the LM head's product in float32 under bf16 autocast, so that log-probs come
+    from logits not rounded to bf16 (whose step is 0.125 at |logit| 16 to 32). A copy of the model
+    (`copy.deepcopy`) computes its own head so too."""
+    def forward(head, hidden):
+        with torch.autocast(hidden.device.type, enabled=False):
+            return F.linear(hidden.float(), head.weight, head.bias)
+
+    head = model.get_output_embeddings()
+    head.forward = types.MethodType(forward, head)
 
 
 @contextlib.contextmanager
@@ -1372,14 +1400,20 @@ def start_vllm(model, args: Args, dtype: torch.dtype, device: torch.device):
     else:
         # vLLM's CPU kernels use AMX without asking Linux for it (else SIGILL); torch asks
         torch.cpu._init_amx()
+    # under torchrun, one engine in each process on its own device (RANK, LOCAL_RANK), its process
+    # groups its own within torchrun's: the ranks sample apart, as with `generate`
+    launcher = {}
+    if dist.is_initialized():
+        launcher = {"distributed_executor_backend": "external_launcher"}
     try:
         rng_devices = [device] if device.type == "cuda" else []
         with tempfile.TemporaryDirectory() as folder, torch.random.fork_rng(rng_devices):
             config.save_pretrained(folder)  # the architecture only: no tokenizer, no weights
             llm = LLM(model=folder, skip_tokenizer_init=True, load_format="dummy",
                       dtype=str(dtype).removeprefix("torch."), seed=args.seed,
-                      max_model_len=longest, enforce_eager=True,
-                      logprobs_mode="processed_logprobs", disable_log_stats=True, **memory)
+                      max_model_len=longest, enforce_eager=device.type != "cuda",
+                      logprobs_mode="processed_logprobs", disable_log_stats=True,
+                      **launcher, **memory)
             # the policy's weights and one token, so that what vLLM cannot run fails here
             sync_weights(llm, model)
             llm.generate([TokensPrompt(prompt_token_ids=[0])], SamplingParams(max_tokens=1),
@@ -1393,23 +1427,30 @@ def start_vllm(model, args: Args, dtype: torch.dtype, device: torch.device):
     os.environ.update(environment)
     random.setstate(python_state)
     if device.type == "cuda":
-        llm.sleep(level=1)  # its memory free for the training passes
+        # the trainer's collectives run on its device: vLLM must have left it there
+        if torch.cuda.current_device() != device.index:
+            raise SystemExit(f"error: --sampler vllm moved this process from {device} to "
+                             f"cuda:{torch.cuda.current_device()}")
+        llm.sleep(level=2)  # weights and KV cache dropped: memory free for the training passes
     return llm
 
 
 @contextlib.contextmanager
 def policy_loaded(llm, model):
     """The engine holds the policy's current weights while the step samples; on CUDA it is awake
-    only then, its memory free for the training passes."""
+    only then, its memory free for the training passes (sleep level 2 keeps no copy of weights
+    that are loaded anew each step: the weights wake, are loaded, then the KV cache wakes)."""
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the training passes' freed blocks, for vLLM to take back
-        llm.wake_up()
+        llm.wake_up(tags=["weights"])
     sync_weights(llm, model)
+    if torch.cuda.is_available():
+        llm.wake_up(tags=["kv_cache"])
     try:
         yield
     finally:
         if torch.cuda.is_available():
-            llm.sleep(level=1)
+            llm.sleep(level=2)
 
 
 def sync_weights(llm, model) -> None:

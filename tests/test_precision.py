@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from test_distributed import launch
 
 import grpo
+import ppo
 
 CONTRAST = [1, 0, 0, 1] * 4  # scripted correctness: every group of 4 has contrast, so every advantage is non-zero
 # 4 prompts x 4 completions in 2 mini-batches of 2 groups, ragged micro-batches of 3 rows
@@ -33,14 +34,15 @@ def first_step(module, tiny_model, copy_task, tmp_path, monkeypatch, *argv) -> t
     return scalars, load_file(os.path.join(checkpoint, "model.safetensors"))
 
 
-@pytest.mark.parametrize("checkpointing", [[], ["--gradient-checkpointing"]], ids=["shared_prompt", "checkpointing"])
+@pytest.mark.parametrize("variant", [[], ["--gradient-checkpointing"], ["--float32-head"]],
+                         ids=["shared_prompt", "checkpointing", "float32_head"])
 @pytest.mark.parametrize("module", MODULES)
-def test_before_any_update_every_ratio_is_1_nothing_is_clipped_and_the_kl_is_0(module, checkpointing, tiny_model,
+def test_before_any_update_every_ratio_is_1_nothing_is_clipped_and_the_kl_is_0(module, variant, tiny_model,
                                                                                  copy_task, tmp_path, monkeypatch):
     """bf16 compute; lr 1e-30 moves no float32 weight (AdamW's weight decay included: checked), so the second
     mini-batch trains on the weights its old log-probs were computed with, and the reference is the policy."""
     scalars, weights = first_step(module, tiny_model, copy_task, tmp_path, monkeypatch, "--dtype", "bfloat16",
-                                  "--learning-rate", "1e-30", *checkpointing)
+                                  "--learning-rate", "1e-30", *variant)
     initial = load_file(os.path.join(tiny_model, "model.safetensors"))
     assert all(torch.equal(weights[k], initial[k]) for k in initial)
     assert {tag: scalars[tag] for tag in EXACT} == EXACT
@@ -120,6 +122,30 @@ def test_old_log_probs_are_those_of_the_weights_before_the_first_update(module, 
     assert not any(torch.equal(logprobs, old) for logprobs, old in compared[3:])
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_the_float32_head_computes_the_logits_from_bf16_hidden_states_in_float32(tied, tmp_path):
+    """--float32-head under bf16 autocast: the logits are float32, F.linear(hidden, W) of the float32 hidden states
+    and weight (neither rounded to bf16), and the reference copy computes its own head so, from its own weight."""
+    from conftest import save_tiny_model
+
+    _, model = grpo.load_model(save_tiny_model(str(tmp_path), tied=tied))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        rounded = model(ids).logits
+        grpo.float32_head(model)
+        out = model(ids, output_hidden_states=True)
+        hidden = out.hidden_states[-1]  # (1, 4, H): after the final norm (Llama's: float32; autocast rounds it)
+        assert rounded.dtype == torch.bfloat16 and out.logits.dtype == torch.float32
+        with torch.autocast("cpu", enabled=False):
+            assert torch.equal(out.logits, torch.nn.functional.linear(hidden.float(), model.lm_head.weight))
+        assert not torch.equal(out.logits, rounded.float())
+        reference = grpo.reference_copy(model, torch.bfloat16)
+        assert reference.lm_head.weight.dtype == torch.float32
+        assert torch.equal(reference(ids).logits, out.logits)
+        assert reference.lm_head.forward.__self__ is reference.lm_head  # its own head, not the policy's
+        assert reference.lm_head.weight.data_ptr() != model.lm_head.weight.data_ptr()
+
+
 @pytest.mark.parametrize("module", [grpo])
 def test_dtype_auto_is_bf16_where_the_hardware_multiplies_it_natively(module, monkeypatch):
     """The CPU check is AVX-512 BF16 or AMX (not mkldnn's, which is true on plain AVX-512, where bf16 is emulated);
@@ -138,10 +164,13 @@ def test_dtype_auto_is_bf16_where_the_hardware_multiplies_it_natively(module, mo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("checkpointing", [[], ["--gradient-checkpointing"]], ids=["shared_prompt", "checkpointing"])
-@pytest.mark.parametrize("module", MODULES)
+@pytest.mark.parametrize("module, checkpointing", [(grpo, []), (ppo, ["--gradient-checkpointing"])],
+                         ids=["grpo_shared_prompt", "ppo_checkpointing"])
 def test_the_real_model_before_any_update_in_bf16(module, checkpointing, tmp_path):
-    """SmolLM2-135M-Instruct, each script's defaults but --beta 0.04 and 16 new tokens, lr 1e-30, bf16."""
+    """SmolLM2-135M-Instruct, each script's defaults but --beta 0.04 and 16 new tokens, lr 1e-30, bf16. Two runs, one
+    per forward path (a prompt's keys and values shared, or whole rows), the script with the most passes on the
+    second: the other scripts' paths are the same code, checked in bf16 on the tiny model above (on a CPU without
+    native bf16 each run takes minutes)."""
     result = run_script(module, "--steps", "1", "--eval-every", "0", "--max-new-tokens", "16", "--beta", "0.04",
                         "--dtype", "bfloat16", "--learning-rate", "1e-30", "--output-dir", "ckpt", *checkpointing,
                         *OWN_ARGS.get(module.__name__, []), cwd=str(tmp_path))

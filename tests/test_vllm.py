@@ -116,6 +116,36 @@ def test_vllm_log_probs_equal_the_trainers_and_follow_an_update_in_the_same_engi
     assert not any(measured["eos_inside"])
 
 
+@needs_vllm
+def test_vllm_stops_only_at_the_scripts_eos_not_at_the_one_the_models_config_names(vllm_model, tmp_path):
+    """A model whose config.json names EOS 5 while its generation config (what `generate` and the scripts stop at)
+    names 2: vLLM, which reads config.json's EOS on its own, must not stop at 5. The untrained tiny model draws from
+    a near-uniform 21 tokens: 5 comes up (twice) in 192 draws."""
+    model = shutil.copytree(vllm_model, tmp_path / "other_eos")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "eos_token_id": 5}))
+    measured = run_python(f"""
+        import json
+        import torch
+        import grpo
+
+        args = grpo.Args(model={str(model)!r}, sampler="vllm", group_size=4, max_new_tokens=12, temperature=1.0,
+                         max_prompt_tokens=32, dtype="float32")
+        tokenizer, model = grpo.load_model(args.model)
+        llm = grpo.start_vllm(model, args, torch.float32, torch.device("cpu"))
+        prompts = [tokenizer(text)["input_ids"] for text in ["1+2=", "3", "45 ", "9-a"]]
+        eos = model.generation_config.eos_token_id
+        batch = grpo.sample_vllm(llm, tokenizer, prompts, args, eos, [1, 100, 200, 300], torch.device("cpu"))
+        completion = batch.input_ids[:, -batch.completion_mask.shape[1]:] * batch.completion_mask
+        lasts = completion.gather(1, batch.completion_mask.sum(1, keepdim=True) - 1).squeeze(1)
+        print(json.dumps({{"eos": eos, "fives": (completion == 5).sum().item(), "lasts": lasts.tolist(),
+                          "truncated": batch.truncated.tolist()}}))
+    """, str(tmp_path))
+    assert measured["eos"] in (2, [2]) and measured["fives"] > 0, measured
+    # each completion ends at the scripts' EOS, or runs to --max-new-tokens: none stops at 5
+    assert all(last == 2 or truncated for last, truncated in zip(measured["lasts"], measured["truncated"])), measured
+
+
 def two_steps(module, model: str, cwd, *extra: str):
     every_group = ["--no-dynamic-sampling"] if module.__name__ == "dapo" else []
     result = run_script(module, "--model", model, "--task", os.path.join(cwd, "copy.jsonl"), "--sampler", "vllm",
@@ -237,19 +267,32 @@ def test_a_vllm_run_stopped_and_resumed_continues_as_one_run(vllm_model, copy_ta
 @needs_vllm
 @pytest.mark.slow
 def test_two_processes_each_sample_with_their_own_engine_and_the_gathered_weights(vllm_model, copy_task_here):
-    """torchrun, 2 processes (FSDP2, gloo): each rank's engine is loaded, every step, with the full weights gathered
-    from both ranks' shards, so its log-probs stay the trainer's (float32) after the first update."""
+    """torchrun, 2 processes (FSDP2, gloo), each with its own engine (vLLM's external launcher): each samples its own
+    prompts, the first step's rollouts those of one process with the same seed (each prompt's seed is its run-wide
+    index); each engine is loaded, every step, with the full weights gathered from both ranks' shards, so its
+    log-probs stay the trainer's (float32) after the first update."""
     from test_distributed import launch
 
     import grpo
 
-    launch([grpo.__file__, "--model", vllm_model, "--task", "copy.jsonl", "--sampler", "vllm", "--steps", "2",
-            "--eval-every", "2", "--num-prompts", "4", "--group-size", "4", "--max-new-tokens", "8",
-            "--max-prompt-tokens", "32", "--dtype", "float32", "--learning-rate", "1e-3", "--output-dir", "ckpt"],
-           copy_task_here, 2)
-    scalars = {tag: [value for _, value in values] for tag, values in read_run(str(copy_task_here))[0].items()}
-    assert len(scalars["charts/sampler_gap_max"]) == 2 and max(scalars["charts/sampler_gap_max"]) < 1e-5
-    assert scalars["losses/kl"][1] > 0  # the policy moved in step 1
+    runs, tables = {}, {}
+    for processes in (1, 2):
+        cwd = copy_task_here / f"processes_{processes}"
+        cwd.mkdir()
+        launch([grpo.__file__, "--model", vllm_model, "--task", str(copy_task_here / "copy.jsonl"),
+                "--sampler", "vllm", "--steps", "2", "--eval-every", "2", "--num-prompts", "4", "--group-size", "4",
+                "--max-new-tokens", "8", "--max-prompt-tokens", "32", "--dtype", "float32", "--learning-rate", "1e-3",
+                "--output-dir", "ckpt", "--log-completions-every", "1"], cwd, processes)
+        scalars, texts = read_run(str(cwd))
+        runs[processes] = {tag: [value for _, value in values] for tag, values in scalars.items()}
+        tables[processes] = texts["completions/text_summary"][0].splitlines()  # rank 0's groups' first completions
+    one, two = runs[1], runs[2]
+    assert len(two["charts/sampler_gap_max"]) == 2 and max(two["charts/sampler_gap_max"]) < 1e-5
+    assert two["losses/kl"][1] > 0  # the policy moved in step 1
+    # step 1, before any update: the same 16 completions, drawn 8 on each rank (rank 0's groups are the first two)
+    for tag in ["charts/completion_length_mean", "charts/reward_mean", "charts/truncated_fraction"]:
+        assert two[tag][0] == one[tag][0], tag
+    assert len(tables[1]) == 2 + 4 and tables[2] == tables[1][: 2 + 2]
 
 
 @needs_vllm
