@@ -206,7 +206,7 @@ def compute_policy_loss(logprobs, old_logprobs, ref_logprobs, sampler_logprobs, 
     kl = torch.zeros_like(logprobs)
     if args.beta > 0:
         # k3: an unbiased, non-negative estimate of KL(pi_theta || pi_ref)
-        delta = ref_logprobs - logprobs
+        delta = (ref_logprobs - logprobs).clamp(-20, 20)  # finite exp, as the ratio's
         kl = torch.exp(delta) - delta - 1
         per_token = per_token + args.beta * kl
     loss = masked_mean(per_token, mask)  # DAPO: token-level, 1/sum_i |o_i| sum_i sum_t
@@ -235,7 +235,8 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens: int,
                    temperature: float):
     """log pi(token) of the last `num_completion_tokens` tokens of each row, and the entropy there
     (B, T), 0 past the longest completion. log p = z_token - logsumexp(z), z = logits / temperature,
-    a few positions at a time: no float32 copy of all the (B, L, V) logits is ever made."""
+    a few positions at a time: without a gradient, no float32 copy of all the (B, L, V) logits is
+    made; with one, the float32 chunks that logsumexp keeps for its backward add up to one."""
     T = num_completion_tokens
     # model(input_ids).logits where they predict completion tokens, in two parts (the first token's,
     # the others'), never copied into one (each prompt run once: plumbing)

@@ -294,19 +294,24 @@ def test_every_script_shares_compute_policy_loss_signature():
 
 @pytest.mark.parametrize("module", MODULES)
 @pytest.mark.parametrize("log_ratio", [100.0, -100.0])
-def test_a_log_ratio_past_20_is_clamped_before_exp_so_the_loss_stays_finite(module, log_ratio):
-    """One completion of one token, A = -1 (PPO: that token's advantage), beta 0: the ratio is exp(clamp(log w, -20,
-    20)), so the loss is e^20 (unclipped, since A < 0 and w > 1 + eps) or (1 - eps) e^0 clipped at the bottom,
-    finite either way, where exp(100) would be inf in float32; past the clamp no gradient flows."""
-    logprobs = torch.tensor([[log_ratio]], requires_grad=True)  # old log-prob 0
+def test_log_ratios_past_20_are_clamped_before_exp_so_the_loss_stays_finite(module, log_ratio):
+    """One completion of one token, A = -1 (PPO: that token's advantage), old and reference log-probs 0, beta 0.1: the
+    ratio is exp(clamp(log w, -20, 20)) and the k3 KL's exp too, so the loss is e^20 (unclipped, since A < 0 and
+    w > 1 + eps) or 1 - eps (clipped at the bottom), plus beta k3 (PPO: the KL is in its reward, only logged here),
+    finite where exp(100) would be inf in float32; past the clamp no gradient flows."""
+    logprobs = torch.tensor([[log_ratio]], requires_grad=True)
     advantages = torch.tensor([[-1.0]]) if module.__name__ == "ppo" else torch.tensor([-1.0])
-    args = module.Args(beta=0.0)
+    args = module.Args(beta=0.1)
     zeros = torch.zeros(1, 1)
     loss, stats = module.compute_policy_loss(logprobs, zeros, zeros, zeros, advantages, torch.ones(1, 1), args)
     loss.backward()
     low = getattr(args, "clip_eps", getattr(args, "clip_eps_low", None))
-    expected = math.exp(20) if log_ratio > 0 else 1 - low  # -min(w A, clip(w) A) with A = -1
+    delta = -20.0 if log_ratio > 0 else 20.0  # log pi_ref - log pi, clamped
+    kl = math.exp(delta) - delta - 1
+    policy = math.exp(20) if log_ratio > 0 else 1 - low  # -min(w A, clip(w) A) with A = -1
+    expected = policy + (0 if module.__name__ == "ppo" else 0.1 * kl)
     assert math.isfinite(loss.item()) and loss.item() == pytest.approx(expected, rel=1e-6)
+    assert stats["kl"] == pytest.approx(kl, rel=1e-6)
     assert logprobs.grad.item() == 0.0
 
 
