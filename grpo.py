@@ -105,7 +105,7 @@ class Args:
     # model and data
     model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"  # a causal LM: Hub id, folder or .gguf file
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # compute; auto: bf16 where native
-    float32_head: bool = False  # bf16 compute: the LM head's product in float32 (unrounded logits)
+    float32_head: bool = False  # bf16 compute: the LM head's product in float32 (float32: no change)
     gradient_checkpointing: bool = False  # recompute activations in the backward: less memory
     lora_rank: int = 0  # LoRA (peft) adapters of this rank on every linear layer; 0: no LoRA
     lora_alpha: float = 32.0  # LoRA's update is scaled by lora_alpha / lora_rank
@@ -1329,13 +1329,14 @@ def shard(module: torch.nn.Module, layer_names: set, device: torch.device) -> to
 
 def reference_copy(model, dtype: torch.dtype):
     """A frozen copy of the initial policy that computes exactly what the policy computes, in train
-    mode as it is (no dropout): float32, but each linear layer but the LM head (--float32-head
-    computes with it; tied, it is the embedding) stored in `dtype`, to which autocast casts it for
-    every product anyway: the same values in half the memory."""
+    mode as it is (no dropout): float32, but each linear layer that autocast casts to `dtype` for
+    every product anyway stored in `dtype`: the same values in half the memory. (Not one tied to
+    the embedding, nor a float32 head, --float32-head, whose forward `float32_head` replaced.)"""
     ref_model = copy.deepcopy(model).requires_grad_(False)
-    head = ref_model.get_output_embeddings()
+    embedding = ref_model.get_input_embeddings().weight
     for module in ref_model.modules():
-        if isinstance(module, torch.nn.Linear) and module is not head:
+        if (isinstance(module, torch.nn.Linear) and module.weight is not embedding
+                and "forward" not in vars(module)):
             module.to(dtype)
     return ref_model
 

@@ -1,22 +1,24 @@
 """The prepared GPU check: what a first run on a GPU would show, in a few minutes on one H100, with no download.
 
 A randomly initialised model of Qwen2.5-0.5B's shape (494M parameters, a 151,936-token vocabulary, tied embeddings)
-with SmolLM2's tokenizer; each script trains two steps in bf16 on the default task with `--sampler hf` (the GPU machine
-has no vLLM), and:
-  1. exactness: at a learning rate of 1e-30 (no weight moves) every ratio is exactly 1, nothing is clipped and the KL to
-     the reference is exactly 0 in both steps, as the CPU tests check (tests/test_precision.py);
+with SmolLM2's tokenizer; its tied embedding, which is its LM head, is scaled up 8x, so that its logits spread as a
+trained model's do (std about 5 rather than 0.6), where bf16's rounding bites. Each script trains two steps in bf16 on
+the default task with `--sampler hf` (the GPU machine has no vLLM), the rewards scripted (1, 0, 1, 0, ... in each
+group: a random model's own would all be 0, every advantage 0 and every gradient with them), and:
+  1. exactness: at a learning rate of 1e-30 (no weight moves, though every gradient is real) every ratio is exactly 1,
+     nothing is clipped and the KL to the reference is exactly 0 in both steps, as the CPU tests check
+     (tests/test_precision.py);
   2. speed and memory: each phase's seconds in step 2 (step 1 warms up) and the peak GPU memory;
-  3. the LM head in bf16 or float32 (--float32-head): what each costs (GSPO's two steps: time and peak memory) and
-     how far each moves the log-probs of 16 completions from float32 maths. (The model is random, so its completions
-     all score 0 and no update moves it: the log-ratios' spread after an update needs a trained model, and is
-     measured with the real one in docs/precision.md.) Its tied embedding, which is its LM head, is scaled up 8x,
-     so that its logits spread as a trained model's do (std about 5 rather than 0.6), where bf16's rounding bites.
+  3. the LM head in bf16 or float32 (--float32-head): GSPO at its own learning rate with each, the sampler's gap to
+     the trainer, the log-ratios' spread after the first update, the clip fraction, the time and the peak memory;
+     and how far each head moves 16 completions' log-probs from float32 maths.
 
     python benchmark/gpu_check.py prepare .gpu_check           # here: the model's config and tokenizer (no weights)
     bash benchmark/gpu_check.sh                                # on the GPU: the wheels it lacks, then `run`
     python benchmark/gpu_check.py run .gpu_check OUT [--tiny]  # the check; --tiny: a 2-layer model (tests, CPU)
 
-It writes OUT/gpu_check.md (the tables) and exits 1 if an exact value is not exact.
+It writes OUT/gpu_check.md (the tables, after each run) and exits 1 if an exact value is not exact. Checkpoints go
+to a temporary folder, deleted after each run.
 """
 
 import glob
@@ -24,6 +26,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -31,9 +34,23 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 SCRIPTS = ["grpo", "gspo", "dapo", "ppo"]
-# DAPO: no room for its 12-token overlong buffer in --tiny's 8 tokens; and a random model's completions all score 0,
-# so dynamic sampling would leave no group to train on
-OWN_ARGS = {"dapo": ["--overlong-buffer", "0", "--no-dynamic-sampling"]}
+OWN_ARGS = {"dapo": ["--overlong-buffer", "0"]}  # no room for DAPO's 12-token overlong buffer in --tiny's 8 tokens
+# a script run as a user runs it, but for its rewards: 1, 0, 1, 0, ... (argv: ROOT, the script, its arguments)
+SCRIPTED = """
+import runpy, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+import rewards
+
+def score(completions, answers, task, weights):
+    reward = torch.tensor([float(i % 2 == 0) for i in range(len(completions))])
+    zeros = torch.zeros(len(completions))
+    return reward, {"correctness": reward, "format": zeros, "errors": zeros}
+
+rewards.score = score
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 EXACT = {"losses/ratio_mean": 1.0, "losses/clip_fraction": 0.0, "losses/kl": 0.0}
 PHASES = ["time_sample", "time_logprobs", "time_train", "step_seconds"]
 # Qwen2.5-0.5B's shape
@@ -80,21 +97,25 @@ def train(script: str, model: str, out: str, name: str, tiny: bool, *argv: str) 
     cwd = os.path.join(out, name)
     shutil.rmtree(cwd, ignore_errors=True)  # an earlier check's run
     os.makedirs(cwd)
+    checkpoints = tempfile.mkdtemp()  # 6 GB a step for the 0.5B model (PPO 12), out of OUT; only the logs are read
     size = ["--max-new-tokens", "64", "--num-prompts", "8", "--group-size", "8", "--micro-batch-size", "16"]
     if tiny:
         size = ["--max-new-tokens", "8", "--num-prompts", "2", "--group-size", "2", "--micro-batch-size", "2"]
-    command = [sys.executable, os.path.join(ROOT, f"{script}.py"), "--model", model, "--dtype", "bfloat16",
-               "--steps", "2", "--eval-every", "0", *size, "--output-dir", "ckpt", *OWN_ARGS.get(script, []),
-               *argv]
+    command = [sys.executable, "-c", SCRIPTED, ROOT, os.path.join(ROOT, f"{script}.py"), "--model", model,
+               "--dtype", "bfloat16", "--steps", "2", "--eval-every", "0", *size, "--output-dir", checkpoints,
+               *OWN_ARGS.get(script, []), *argv]
     start = time.time()
-    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True)
+    try:
+        result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300)
+    finally:
+        shutil.rmtree(checkpoints, ignore_errors=True)
     if result.returncode != 0:
-        raise SystemExit(f"error: {' '.join(command)} failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+        print(result.stdout[-3000:], result.stderr[-3000:])
+        return {}
     (run,) = glob.glob(os.path.join(cwd, "runs", "*"))
     events = EventAccumulator(run)
     events.Reload()
     scalars = {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
-    shutil.rmtree(os.path.join(cwd, "ckpt"))  # 6 GB a step for the 0.5B model; only the logs are read
     print(f"{name}: {time.time() - start:.0f} s")
     return scalars
 
@@ -134,34 +155,49 @@ def head_error(model_path: str, max_new_tokens: int) -> dict:
 def run(folder: str, out: str, tiny: bool) -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     lines = [f"# GPU check: {device}, torch {torch.__version__}", ""]
+
+    def write(*new: str) -> None:  # the report so far, rewritten after each run: a run that fails loses nothing
+        lines.extend(new)
+        with open(os.path.join(out, "gpu_check.md"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        print("\n".join(new))
+
     model = build_model(folder, tiny)
     # 1.-2. exactness, speed and memory: every script, two steps at lr 1e-30
-    exact_ok = True
-    lines += ["| script | ratio, clip, KL exact (steps 1, 2) | sample s | log-probs s | train s | step s | peak GB |",
-              "|---|---|---|---|---|---|---|"]
+    write("| script | ratio, clip, KL exact (steps 1, 2) | sample s | log-probs s | train s | step s | peak GB |",
+          "|---|---|---|---|---|---|---|")
+    failed = []
     for script in SCRIPTS:
         scalars = train(script, model, out, f"{script}_exact", tiny, "--learning-rate", "1e-30", "--beta", "0.04")
-        exact = all(scalars[tag] == [value, value] for tag, value in EXACT.items())
-        exact_ok &= exact
+        if not scalars:
+            failed.append(script)
+            write(f"| {script} | the run failed (its output above) | | | | | |")
+            continue
+        exact = all(scalars.get(tag) == [value, value] for tag, value in EXACT.items())
+        if not exact:
+            failed.append(script)
         phases = " | ".join(f"{scalars[f'charts/{phase}'][1]:.2f}" for phase in PHASES)
-        lines.append(f"| {script} | {'yes' if exact else 'NO: ' + str({t: scalars[t] for t in EXACT})} | "
-                     f"{phases} | {scalars['charts/peak_memory_gb'][1]:.1f} |")
-    # 3. the LM head: GSPO at its own learning rate, with each head
-    lines += ["", "| GSPO, LM head | sample s | log-probs s | train s | step s | peak GB |",
-              "|---|---|---|---|---|---|"]
+        write(f"| {script} | {'yes' if exact else 'NO: ' + str({t: scalars.get(t) for t in EXACT})} | {phases} | "
+              f"{scalars['charts/peak_memory_gb'][1]:.1f} |")
+    # 3. the LM head: GSPO at its own learning rate, with each head (the head also samples: other completions)
+    write("", "| GSPO, LM head | sampler gap mean / largest | token, sequence log-ratio std (step 2) | "
+          "clip fraction (steps 1, 2) | step s | peak GB |", "|---|---|---|---|---|---|")
     for head, argv in [("bf16", []), ("float32", ["--float32-head"])]:
         scalars = train("gspo", model, out, f"gspo_head_{head}", tiny, *argv)
-        phases = " | ".join(f"{scalars[f'charts/{phase}'][1]:.2f}" for phase in PHASES)
-        lines.append(f"| {head} | {phases} | {scalars['charts/peak_memory_gb'][1]:.1f} |")
+        if not scalars:
+            write(f"| {head} | the run failed (its output above) | | | | |")
+            continue
+        gap = f"{scalars['charts/sampler_gap_mean'][1]:.2e} / {scalars['charts/sampler_gap_max'][1]:.2e}"
+        spread = f"{scalars['losses/token_log_ratio_std'][1]:.2e}, {scalars['losses/seq_log_ratio_std'][1]:.2e}"
+        clip = ", ".join(f"{v:.3f}" for v in scalars["losses/clip_fraction"])
+        write(f"| {head} | {gap} | {spread} | {clip} | {scalars['charts/step_seconds'][1]:.2f} | "
+              f"{scalars['charts/peak_memory_gb'][1]:.1f} |")
     errors = head_error(model, 8 if tiny else 64)
-    lines += ["", "| LM head, bf16 compute | mean |log p - log p_float32| | largest |", "|---|---|---|"]
-    lines += [f"| {head} | {mean:.2e} | {largest:.2e} |" for head, (mean, largest) in errors.items()]
-    report = "\n".join(lines) + "\n"
-    print(report)
-    with open(os.path.join(out, "gpu_check.md"), "w") as f:
-        f.write(report)
-    if not exact_ok:
-        raise SystemExit("error: a ratio, clip fraction or KL that must be exact was not (see the table)")
+    write("", "| LM head, bf16 compute | mean |log p - log p_float32| | largest |", "|---|---|---|",
+          *[f"| {head} | {mean:.2e} | {largest:.2e} |" for head, (mean, largest) in errors.items()])
+    if failed:
+        raise SystemExit(f"error: {', '.join(failed)}: a run failed, or a ratio, clip fraction or KL that must be "
+                         "exact was not (see the table)")
 
 
 if __name__ == "__main__":

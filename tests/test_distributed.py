@@ -112,14 +112,13 @@ def test_a_two_process_run_resumes_to_the_same_weights(module, tiny_model, copy_
 def test_after_set_up_each_process_holds_its_share_of_the_weights(module, tiny_model, copy_task, tmp_path):
     """Two processes, --dtype bfloat16: every model is loaded on the CPU, never whole on a device, and after sharding
     each process holds half of the float32 policy (and of PPO's critic) and half of the reference model (its linear
-    layers but the LM head in bf16, the rest float32), as docs/distributed.md counts it."""
+    layers in bf16, the rest float32), as docs/distributed.md counts it."""
     argv = [os.path.join(ROOT, "tests", "fixed_rollouts.py"), module.__name__, "--model", tiny_model, "--task",
             copy_task, "--steps", "1", "--eval-every", "0", "--output-dir", "ckpt", "--dtype", "bfloat16",
             "--beta", "0.1", *batch(module)]
     launch(argv, tmp_path, 2, REPORT_SHARDS=str(tmp_path / "shards"))
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))  # (no biases)
-    linear -= model.lm_head.weight.numel()  # the reference keeps its LM head float32 (--float32-head computes with it)
     ranks = []
     for rank in (0, 1):
         with open(tmp_path / f"shards.{rank}.json") as f:
