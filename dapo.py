@@ -1391,18 +1391,15 @@ def init_distributed(dtype: str, timeout_minutes: float) -> tuple[int, int, torc
 
 
 def compute_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
-    """--dtype, and why: auto is bf16 where the device multiplies bf16 natively, else float32."""
+    """--dtype, and why: auto is bf16 on a GPU that computes it natively, else float32."""
     if name != "auto":
         return getattr(torch, name), f"--dtype {name}"
-    if device.type == "cuda":
-        native = torch.cuda.is_bf16_supported(including_emulation=False)
-        why = "this GPU computes bf16 natively" if native else "this GPU has no native bf16"
-    else:
-        # (mkldnn's bf16 check is true on plain AVX-512 too, where bf16 is emulated and slower)
-        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-        why = "this CPU has AVX-512 BF16 or AMX"
-        if not native:
-            why = "this CPU has neither AVX-512 BF16 nor AMX"
+    if device.type != "cuda":
+        # measured: even where a CPU multiplies bf16 natively, it is not faster for every script
+        # (GSPO 0.95x on AVX-512 BF16, GRPO 0.93-1.05x on AMX; docs/precision.md), and learns less
+        return torch.float32, "--dtype auto: a CPU, where bf16 is not faster for every script"
+    native = torch.cuda.is_bf16_supported(including_emulation=False)
+    why = "this GPU computes bf16 natively" if native else "this GPU has no native bf16"
     return torch.bfloat16 if native else torch.float32, f"--dtype auto: {why}"
 
 

@@ -238,8 +238,9 @@ def report(args: Args, peak: float) -> str:
 
 
 def precisions(runs: list[dict]) -> list[str]:
-    """Each script's mean seconds a step, and per phase, in each precision over float32's (means over its steps
-    and seeds); and per sampled token, since the precisions sample different completions."""
+    """Each script's seconds a step, and per phase, in each precision over float32's (medians over its steps and
+    seeds, so that one slow step, a first one or a loaded moment, does not decide); and per sampled token (the median
+    step over the median tokens sampled), since the precisions sample different completions."""
     table = ["## Precision", "", "| script | precision | s/step | sample / score / logprobs / train s "
              "| ms per sampled token | over float32: step, per sampled token | sample / score / logprobs / train |",
              "|" + "---|" * 7]
@@ -247,9 +248,9 @@ def precisions(runs: list[dict]) -> list[str]:
         seconds = {}  # precision: [step, per sampled token, *phases]
         for precision in dict.fromkeys(r["precision"] for r in runs if r["script"] == name):
             group = [r for r in runs if r["script"] == name and r["precision"] == precision]
-            step = statistics.mean(v for r in group for v in series(r, "charts/step_seconds"))
-            tokens = statistics.mean(v for r in group for v in series(r, "charts/tokens_sampled"))
-            phases = [statistics.mean(v for r in group for v in series(r, f"charts/{p}")) for p in PHASES]
+            step = statistics.median(v for r in group for v in series(r, "charts/step_seconds"))
+            tokens = statistics.median(v for r in group for v in series(r, "charts/tokens_sampled"))
+            phases = [statistics.median(v for r in group for v in series(r, f"charts/{p}")) for p in PHASES]
             seconds[precision] = [step, step / tokens, *phases]
         for precision, values in seconds.items():
             base = seconds.get("float32")
@@ -279,7 +280,34 @@ def sampling(runs: list[dict]) -> list[str]:
     return table
 
 
+def seed_band(runs: list[dict], tag: str) -> tuple[list[int], list[float], list[float], list[float]]:
+    """The steps every run logged `tag` at, and at each the mean, lowest and highest value over the runs (seeds)."""
+    values = [dict((s, v) for s, v, _ in run["scalars"].get(tag, [])) for run in runs]
+    steps = sorted(set.intersection(*(set(v) for v in values))) if values else []
+    at = [[v[s] for v in values] for s in steps]
+    return steps, [statistics.mean(x) for x in at], [min(x) for x in at], [max(x) for x in at]
+
+
+def plot_bands(ax, runs: list[dict], tag: str, colors: dict, linestyle: str = "-", legend: bool = True) -> None:
+    """One line a label (script, and precision or sampler where they differ): the mean over its seeds, shaded from
+    the lowest to the highest seed."""
+    for label in dict.fromkeys(r["label"] for r in runs):
+        group = [r for r in runs if r["label"] == label]
+        steps, middle, low, high = seed_band(group, tag)
+        if not steps:
+            continue
+        color = colors.get(group[0]["script"])
+        alpha = 0.5 if group[0]["precision"] == "float32" and len({r["precision"] for r in runs}) > 1 else 1.0
+        seeds = f" ({len(group)} seeds)" if len(group) > 1 else ""
+        ax.plot(steps, middle, color=color, linestyle=linestyle, alpha=alpha,
+                marker="." if "eval" in tag else None, label=label + seeds if legend else None)
+        if len(group) > 1:
+            ax.fill_between(steps, low, high, color=color, alpha=0.15 * alpha, linewidth=0)
+
+
 def figure(runs: list[dict], path: str) -> None:
+    """figure.png: the runs' curves (mean over seeds, shaded from the lowest to the highest) and phase times; and
+    beside it accuracy.png, the held-out accuracy panel alone, small enough for the README."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -288,22 +316,21 @@ def figure(runs: list[dict], path: str) -> None:
     colors = {name: f"C{i}" for i, name in enumerate(SCRIPTS)}
     panels = [("charts/reward_mean", "reward (sampled)", False),
               ("charts/eval_accuracy", "held-out greedy accuracy", False),
-              ("charts/eval_accuracy", "held-out accuracy vs wall-clock s", True),
+              ("charts/eval_accuracy", "held-out accuracy vs wall-clock s (each run)", True),
               ("charts/completion_length_mean", "completion length (tokens)", False),
-              ("losses/clip_fraction", "clip fraction (tokens)", False),
+              ("losses/clip_fraction", "clip fraction", False),
               ("losses/token_log_ratio_std", "log-ratio std: token (solid), sequence (dashed)", False)]
     fig, axes = plt.subplots(2, 4, figsize=(20, 8.5))
     for ax, (tag, title, wall) in zip(axes.flat, panels):
-        for run in runs:
-            points = run["scalars"].get(tag, [])
-            x = [w - run["start"] if wall else s for s, _, w in points]
-            first_seed = min(r["seed"] for r in runs if r["label"] == run["label"])
-            label = run["label"] if run["seed"] == first_seed else None  # one legend entry per script
-            ax.plot(x, [v for _, v, _ in points], color=colors.get(run["script"]), label=label,
-                    marker="." if "eval" in tag else None, alpha=0.5 if run["precision"] == "float32" else 1.0)
-            if tag == "losses/token_log_ratio_std":
-                ax.plot([s for s, _, _ in run["scalars"].get("losses/seq_log_ratio_std", [])],
-                        series(run, "losses/seq_log_ratio_std"), color=colors.get(run["script"]), linestyle="--")
+        if wall:  # runs take different times: one line each
+            for run in runs:
+                points = run["scalars"].get(tag, [])
+                ax.plot([w - run["start"] for _, _, w in points], [v for _, v, _ in points],
+                        color=colors.get(run["script"]), marker=".", alpha=0.6)
+        else:
+            plot_bands(ax, runs, tag, colors)
+        if tag == "losses/token_log_ratio_std":
+            plot_bands(ax, runs, "losses/seq_log_ratio_std", colors, linestyle="--", legend=False)
         ax.set_title(title)
         ax.set_xlabel("seconds" if wall else "step")
     axes.flat[0].legend()
@@ -327,6 +354,16 @@ def figure(runs: list[dict], path: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=80)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    plot_bands(ax, runs, "charts/eval_accuracy", colors)
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out greedy accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(os.path.join(os.path.dirname(path), "accuracy.png"), dpi=80)
+    plt.close(fig)
 
 
 def main(args: Args) -> None:

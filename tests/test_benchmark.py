@@ -79,7 +79,8 @@ def test_the_report_reads_the_arguments_a_run_wrote_and_splits_quality_from_spee
     assert rows[10] == [["grpo", "1", "2.0", "15.0", "5.0 / 0.0 / 2.0 / 5.0", "100", "50", "1.5",
                          "0.0104 / 0.0208 / 0.0312", "50%, 75%"]]
     assert "## Precision" not in text  # one precision: nothing to compare
-    assert (tmp_path / "figure.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for picture in ("figure.png", "accuracy.png"):  # the whole figure, and its accuracy panel for the README
+        assert (tmp_path / picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_the_report_compares_each_phase_of_another_precision_with_float32(tiny_model, tmp_path):

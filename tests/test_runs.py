@@ -46,7 +46,8 @@ def test_two_step_run_logs_metrics_and_saves_a_loadable_checkpoint(module, tiny_
                         "--log-completions-every", "1", "--save-every", "1", "--output-dir", "ckpt", *TINY,
                         *OWN_ARGS.get(module.__name__, []), cwd=str(tmp_path))
     assert result.returncode == 0
-    assert result.stdout.startswith("precision: ") and "--dtype auto: this CPU" in result.stdout.splitlines()[0]
+    first_line = result.stdout.splitlines()[0]
+    assert first_line.startswith("precision: float32 compute") and "--dtype auto: a CPU" in first_line
     scalars, texts = read_run(str(tmp_path))
     for tag in SHARED_METRICS + OWN_METRICS.get(module.__name__, []):
         assert tag in scalars, tag
