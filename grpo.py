@@ -104,7 +104,7 @@ class Args:
 
     # model and data
     model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"  # a causal LM: Hub id, folder or .gguf file
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # compute; auto: bf16 where native
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # compute; auto: bf16 on a bf16 GPU
     float32_head: bool = False  # bf16 compute: the LM head's product in float32 (float32: as is)
     gradient_checkpointing: bool = False  # recompute activations in the backward: less memory
     lora_rank: int = 0  # LoRA (peft) adapters of this rank on every linear layer; 0: no LoRA
