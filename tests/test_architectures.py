@@ -1,13 +1,16 @@
 """Any causal LM: tiny randomly initialised models of several architectures, built from their configs (no download).
 The shared-prompt forward gives the log-probs of whole rows on each; models whose cache holds recurrent state
-(Qwen3-Next's linear attention) run whole rows and a plain generate, and say so; every script trains on each (slow)."""
+(Qwen3-Next's linear attention) run whole rows and a plain generate, and say so; GRPO and PPO (its critic) train on
+each (slow)."""
 
 import glob
 
 import pytest
 import torch
 import tyro
-from conftest import MODULES, OWN_ARGS
+import grpo
+import ppo
+from conftest import OWN_ARGS
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 SIZE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -42,7 +45,7 @@ def architecture(request, tiny_model, tmp_path_factory) -> tuple[str, str]:
     return request.param, path
 
 
-@pytest.mark.parametrize("module", MODULES)
+@pytest.mark.parametrize("module", [grpo])  # token_logprobs and shares_cache are the same text in every script
 def test_log_probs_equal_whole_rows_and_the_cache_is_shared_where_it_can_be(module, architecture):
     kind, path = architecture
     _, model = module.load_model(path)
@@ -58,8 +61,9 @@ def test_log_probs_equal_whole_rows_and_the_cache_is_shared_where_it_can_be(modu
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("module", MODULES)
-def test_every_script_trains_two_steps(module, architecture, copy_task, tmp_path, monkeypatch):
+# GSPO and DAPO load, sample and train each model as GRPO does (the same text); PPO builds its critic on the model
+@pytest.mark.parametrize("module", [grpo, ppo])
+def test_grpo_and_ppo_train_two_steps(module, architecture, copy_task, tmp_path, monkeypatch):
     kind, path = architecture
     monkeypatch.chdir(tmp_path)
     argv = ["--model", path, "--task", copy_task, "--steps", "2", "--eval-every", "1", "--eval-prompts", "4",
