@@ -86,13 +86,21 @@ MORE_BAD_INPUTS = [
     (["--task", "list_answer.jsonl"], "list_answer.jsonl: line 1: the answer ('answer') is [1, 2]: it must be"),
     (["--task", "latin1.jsonl"], "latin1.jsonl: line 2 is not UTF-8 text (byte 16: b'\\xe9')"),
     (["--task", "task.json"], "task.json: a .json file; tasks are read from .jsonl files"),
-    (["--output-dir", "task.json"], "task.json is a file")]
+    (["--output-dir", "task.json"], "task.json is a file"),
+    (["--task", "chat_no_role.jsonl"], "chat_no_role.jsonl: line 2: message 1 of the prompt ('prompt') has no 'role'"),
+    (["--task", "chat_no_content.jsonl"], "line 1: message 2 of the prompt ('prompt') has no 'content' (it has ["),
+    (["--task", "chat_text.jsonl"], "line 1: message 1 of the prompt ('prompt') is a str, not an object with a role")]
 MORE_BAD_FILES = {"no_tokenizer/config.json": b"{}",
                   "empty_prompt.jsonl": b'{"prompt": "1", "answer": "1"}\n{"prompt": "", "answer": "2"}\n',
                   "null_answer.jsonl": b'{"prompt": "1", "answer": null}\n{"prompt": "2", "answer": "2"}\n',
                   "list_answer.jsonl": b'{"prompt": "1", "answer": [1, 2]}\n{"prompt": "2", "answer": "2"}\n',
                   "latin1.jsonl": b'{"prompt": "1", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n',
-                  "task.json": b'[{"prompt": "1", "answer": "1"}]'}
+                  "task.json": b'[{"prompt": "1", "answer": "1"}]',
+                  "chat_no_role.jsonl": b'{"prompt": [{"role": "user", "content": "1"}], "answer": "1"}\n'
+                                        b'{"prompt": [{"content": "2"}], "answer": "2"}\n',
+                  "chat_no_content.jsonl": b'{"prompt": [{"role": "system", "content": "Add."}, {"role": "user", '
+                                           b'"text": "1"}], "answer": "1"}\n{"prompt": "2", "answer": "2"}\n',
+                  "chat_text.jsonl": b'{"prompt": ["1"], "answer": "1"}\n{"prompt": "2", "answer": "2"}\n'}
 
 
 @pytest.mark.parametrize("module, argv, message", IN_PROCESS + [(grpo, a, text) for a, text in MORE_BAD_INPUTS])
