@@ -817,6 +817,9 @@ def main(args: Args) -> None:
 STATE_FILE = "training_state.pt"  # beside the weights in every checkpoint folder
 # what a model folder's tokenizer is saved as (a .gguf file holds its own)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# what from_pretrained reads a model folder's weights from (one file, or an index of shards)
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 # whole tensors, gathered on rank 0's CPU; of a LoRA model only the adapter (the base is frozen)
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
 
@@ -964,7 +967,10 @@ def validate(args: Args) -> tuple[Args, dict, rewards.Task]:
         (not os.path.isdir(folder) or any(os.path.isfile(os.path.join(folder, name))
                                           for name in TOKENIZER_FILES),
          f"--model {args.model}: no tokenizer in the folder (none of "
-         f"{', '.join(TOKENIZER_FILES)}): save the tokenizer beside the model")]
+         f"{', '.join(TOKENIZER_FILES)}): save the tokenizer beside the model"),
+        (not os.path.isdir(folder) or any(os.path.isfile(os.path.join(folder, name))
+                                          for name in WEIGHT_FILES),
+         f"--model {args.model}: no weights in the folder (none of {', '.join(WEIGHT_FILES)})")]
     for ok, message in checks:
         if not ok:
             raise SystemExit(f"error: {message}")
@@ -979,6 +985,11 @@ def validate(args: Args) -> tuple[Args, dict, rewards.Task]:
         task = rewards.load_task(args.task, args.difficulty, args.prompt_field, args.answer_field)
     except (OSError, ValueError, ImportError) as e:
         raise SystemExit(f"error: {e}")
+    # more prompts a step than the task has to train on: a step takes some of them several times
+    if args.num_prompts > len(task.train):
+        print(f"warning: --num-prompts {args.num_prompts} is more than the {len(task.train)} "
+              f"training prompts of --task {args.task}: each step takes each of them about "
+              f"{args.num_prompts / len(task.train):.1f} times")
     return args, state, task
 
 

@@ -1,7 +1,9 @@
 """Each script's command line, through its real entry point as a user runs it: --help, and bad input that fails in
 one `error:` line before a model is loaded."""
 
+import json
 import os
+import shutil
 
 import pytest
 import tyro
@@ -116,3 +118,53 @@ def test_bad_input_stops_main_in_one_line_before_a_model_loads_and_writes_nothin
     assert str(stopped.value).startswith("error: ") and message in str(stopped.value)
     assert "\n" not in str(stopped.value)
     assert sorted(os.listdir(tmp_path)) == sorted({name.split("/")[0] for name in {**BAD_FILES, **MORE_BAD_FILES}})
+
+
+# A model that cannot take the run: found from its folder.
+MODEL_BAD_INPUTS = [
+    (["--model", "./no_weights"], "--model ./no_weights: no weights in the folder (none of model.safetensors, ")]
+
+
+def copy_tiny_model(tiny_model, folder) -> None:
+    """conftest's tiny model in folder/model, and two copies a user might have made: without its weights
+    (folder/no_weights) and with a model type that transformers does not know (folder/unknown_type)."""
+    shutil.copytree(tiny_model, folder / "model")
+    shutil.copytree(tiny_model, folder / "no_weights", ignore=shutil.ignore_patterns("*.safetensors"))
+    shutil.copytree(tiny_model, folder / "unknown_type")
+    config = json.loads((folder / "unknown_type" / "config.json").read_text())
+    (folder / "unknown_type" / "config.json").write_text(json.dumps({**config, "model_type": "no_such_type"}))
+
+
+@pytest.mark.parametrize("argv, message", MODEL_BAD_INPUTS)
+def test_a_model_that_cannot_take_the_run_stops_main_in_one_line_before_its_weights_load(argv, message, tiny_model,
+                                                                                        tmp_path, monkeypatch):
+    copy_tiny_model(tiny_model, tmp_path)
+    records = {"copy.jsonl": [("1", "1")] * 20, "long.jsonl": [("1" * 30, "1")] * 20,
+               "chat.jsonl": [([{"role": "user", "content": "1"}], "1")] * 20}
+    for name, rows in records.items():
+        (tmp_path / name).write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in rows))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(grpo, "load_model", lambda *args: pytest.fail("the model loaded"))
+    with pytest.raises(SystemExit) as stopped:
+        grpo.main(tyro.cli(grpo.Args, args=["--model", "./model", "--task", "copy.jsonl", *argv]))
+    assert str(stopped.value).startswith("error: ") and message in str(stopped.value)
+    assert "\n" not in str(stopped.value) and not os.path.exists(tmp_path / "runs")
+
+
+class Loading(Exception):
+    """Raised in place of loading the model: the run got that far."""
+
+
+def loading(*args):
+    raise Loading
+
+
+def test_more_prompts_a_step_than_the_task_has_is_one_warning_before_the_model_loads(tiny_model, copy_task, tmp_path,
+                                                                                    monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(grpo, "load_model", loading)
+    with pytest.raises(Loading):
+        grpo.main(tyro.cli(grpo.Args, args=["--model", tiny_model, "--task", copy_task, "--num-prompts", "500"]))
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: ")]
+    assert warnings == [f"warning: --num-prompts 500 is more than the 180 training prompts of --task {copy_task}: "
+                        "each step takes each of them about 2.8 times"]
