@@ -120,9 +120,17 @@ def test_bad_input_stops_main_in_one_line_before_a_model_loads_and_writes_nothin
     assert sorted(os.listdir(tmp_path)) == sorted({name.split("/")[0] for name in {**BAD_FILES, **MORE_BAD_FILES}})
 
 
-# A model that cannot take the run: found from its folder.
+# A model that cannot take the run, or prompts it cannot take: found from its config and tokenizer (read before its
+# weights), or from the folder. conftest's tiny model has 64 positions and no chat template; the copy task's prompts
+# are one token each, long.jsonl's 30.
 MODEL_BAD_INPUTS = [
-    (["--model", "./no_weights"], "--model ./no_weights: no weights in the folder (none of model.safetensors, ")]
+    (["--max-new-tokens", "100000"], "the longest prompt plus --max-new-tokens (1 + 100000 tokens) passes the 64 "
+                                     "positions of --model ./model: lower --max-new-tokens or --max-prompt-tokens"),
+    (["--task", "long.jsonl", "--max-new-tokens", "40"], "the longest prompt plus --max-new-tokens (30 + 40 tokens)"),
+    (["--model", "./no_weights"], "--model ./no_weights: no weights in the folder (none of model.safetensors, "),
+    (["--model", "./unknown_type"], "--model ./unknown_type: The checkpoint you are trying to load has model type "
+                                    "`no_such_type` but Transformers does not recognize this architecture."),
+    (["--task", "chat.jsonl"], "prompts given as chat messages need a --model whose tokenizer has a chat template")]
 
 
 def copy_tiny_model(tiny_model, folder) -> None:
