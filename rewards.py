@@ -490,6 +490,17 @@ def to_record(row, prompt_field: str, answer_field: str, where: str) -> tuple[di
     if not text and not (isinstance(prompt, list) and prompt):
         raise ValueError(f"{where}: the prompt ({prompt_field!r}) is {json.dumps(prompt)[:40]}: "
                          "it must be non-empty text or a list of chat messages")
+    # chat messages: each an object with a role and a content; a chat template fails on any other
+    # once the model has loaded, or renders it as nothing, unsaid
+    messages = prompt if isinstance(prompt, list) else []
+    for number, message in enumerate(messages, 1):
+        if not isinstance(message, dict):
+            raise ValueError(f"{where}: message {number} of the prompt ({prompt_field!r}) is a "
+                             f"{type(message).__name__}, not an object with a role and a content")
+        for key in ("role", "content"):
+            if key not in message:
+                raise ValueError(f"{where}: message {number} of the prompt ({prompt_field!r}) has "
+                                 f"no {key!r} (it has {sorted(message)})")
     answer = row[answer_field]
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise ValueError(f"{where}: the answer ({answer_field!r}) is {json.dumps(answer)[:40]}: "

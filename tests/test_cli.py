@@ -1,7 +1,9 @@
 """Each script's command line, through its real entry point as a user runs it: --help, and bad input that fails in
 one `error:` line before a model is loaded."""
 
+import json
 import os
+import shutil
 
 import pytest
 import tyro
@@ -86,13 +88,21 @@ MORE_BAD_INPUTS = [
     (["--task", "list_answer.jsonl"], "list_answer.jsonl: line 1: the answer ('answer') is [1, 2]: it must be"),
     (["--task", "latin1.jsonl"], "latin1.jsonl: line 2 is not UTF-8 text (byte 16: b'\\xe9')"),
     (["--task", "task.json"], "task.json: a .json file; tasks are read from .jsonl files"),
-    (["--output-dir", "task.json"], "task.json is a file")]
+    (["--output-dir", "task.json"], "task.json is a file"),
+    (["--task", "chat_no_role.jsonl"], "chat_no_role.jsonl: line 2: message 1 of the prompt ('prompt') has no 'role'"),
+    (["--task", "chat_no_content.jsonl"], "line 1: message 2 of the prompt ('prompt') has no 'content' (it has ["),
+    (["--task", "chat_text.jsonl"], "line 1: message 1 of the prompt ('prompt') is a str, not an object with a role")]
 MORE_BAD_FILES = {"no_tokenizer/config.json": b"{}",
                   "empty_prompt.jsonl": b'{"prompt": "1", "answer": "1"}\n{"prompt": "", "answer": "2"}\n',
                   "null_answer.jsonl": b'{"prompt": "1", "answer": null}\n{"prompt": "2", "answer": "2"}\n',
                   "list_answer.jsonl": b'{"prompt": "1", "answer": [1, 2]}\n{"prompt": "2", "answer": "2"}\n',
                   "latin1.jsonl": b'{"prompt": "1", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n',
-                  "task.json": b'[{"prompt": "1", "answer": "1"}]'}
+                  "task.json": b'[{"prompt": "1", "answer": "1"}]',
+                  "chat_no_role.jsonl": b'{"prompt": [{"role": "user", "content": "1"}], "answer": "1"}\n'
+                                        b'{"prompt": [{"content": "2"}], "answer": "2"}\n',
+                  "chat_no_content.jsonl": b'{"prompt": [{"role": "system", "content": "Add."}, {"role": "user", '
+                                           b'"text": "1"}], "answer": "1"}\n{"prompt": "2", "answer": "2"}\n',
+                  "chat_text.jsonl": b'{"prompt": ["1"], "answer": "1"}\n{"prompt": "2", "answer": "2"}\n'}
 
 
 @pytest.mark.parametrize("module, argv, message", IN_PROCESS + [(grpo, a, text) for a, text in MORE_BAD_INPUTS])
@@ -108,3 +118,61 @@ def test_bad_input_stops_main_in_one_line_before_a_model_loads_and_writes_nothin
     assert str(stopped.value).startswith("error: ") and message in str(stopped.value)
     assert "\n" not in str(stopped.value)
     assert sorted(os.listdir(tmp_path)) == sorted({name.split("/")[0] for name in {**BAD_FILES, **MORE_BAD_FILES}})
+
+
+# A model that cannot take the run, or prompts it cannot take: found from its config and tokenizer (read before its
+# weights), or from the folder. conftest's tiny model has 64 positions and no chat template; the copy task's prompts
+# are one token each, long.jsonl's 30.
+MODEL_BAD_INPUTS = [
+    (["--max-new-tokens", "100000"], "the longest prompt plus --max-new-tokens (1 + 100000 tokens) passes the 64 "
+                                     "positions of --model ./model: lower --max-new-tokens or --max-prompt-tokens"),
+    (["--task", "long.jsonl", "--max-new-tokens", "40"], "the longest prompt plus --max-new-tokens (30 + 40 tokens)"),
+    (["--model", "./no_weights"], "--model ./no_weights: no weights in the folder (none of model.safetensors, "),
+    (["--model", "./unknown_type"], "--model ./unknown_type: The checkpoint you are trying to load has model type "
+                                    "`no_such_type` but Transformers does not recognize this architecture."),
+    (["--task", "chat.jsonl"], "prompts given as chat messages need a --model whose tokenizer has a chat template")]
+
+
+def copy_tiny_model(tiny_model, folder) -> None:
+    """conftest's tiny model in folder/model, and two copies a user might have made: without its weights
+    (folder/no_weights) and with a model type that transformers does not know (folder/unknown_type)."""
+    shutil.copytree(tiny_model, folder / "model")
+    shutil.copytree(tiny_model, folder / "no_weights", ignore=shutil.ignore_patterns("*.safetensors"))
+    shutil.copytree(tiny_model, folder / "unknown_type")
+    config = json.loads((folder / "unknown_type" / "config.json").read_text())
+    (folder / "unknown_type" / "config.json").write_text(json.dumps({**config, "model_type": "no_such_type"}))
+
+
+@pytest.mark.parametrize("argv, message", MODEL_BAD_INPUTS)
+def test_a_model_that_cannot_take_the_run_stops_main_in_one_line_before_its_weights_load(argv, message, tiny_model,
+                                                                                        tmp_path, monkeypatch):
+    copy_tiny_model(tiny_model, tmp_path)
+    records = {"copy.jsonl": [("1", "1")] * 20, "long.jsonl": [("1" * 30, "1")] * 20,
+               "chat.jsonl": [([{"role": "user", "content": "1"}], "1")] * 20}
+    for name, rows in records.items():
+        (tmp_path / name).write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in rows))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(grpo, "load_model", lambda *args: pytest.fail("the model loaded"))
+    with pytest.raises(SystemExit) as stopped:
+        grpo.main(tyro.cli(grpo.Args, args=["--model", "./model", "--task", "copy.jsonl", *argv]))
+    assert str(stopped.value).startswith("error: ") and message in str(stopped.value)
+    assert "\n" not in str(stopped.value) and not os.path.exists(tmp_path / "runs")
+
+
+class Loading(Exception):
+    """Raised in place of loading the model: the run got that far."""
+
+
+def loading(*args):
+    raise Loading
+
+
+def test_more_prompts_a_step_than_the_task_has_is_one_warning_before_the_model_loads(tiny_model, copy_task, tmp_path,
+                                                                                    monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(grpo, "load_model", loading)
+    with pytest.raises(Loading):
+        grpo.main(tyro.cli(grpo.Args, args=["--model", tiny_model, "--task", copy_task, "--num-prompts", "500"]))
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: ")]
+    assert warnings == [f"warning: --num-prompts 500 is more than the 180 training prompts of --task {copy_task}: "
+                        "each step takes each of them about 2.8 times"]
