@@ -272,24 +272,28 @@ def test_bfloat16_compute_trains_float32_weights_that_move(module, tiny_model, c
     assert changed / total > 0.5, f"{changed / total:.1%} of the entries changed"
 
 
-def test_the_plumbing_and_the_step_s_shared_functions_are_identical_in_all_four_scripts():
-    """Everything below the plumbing marker, and the functions of a step that every script calls alike above it, are
-    the same text in every script, so `diff` shows only the algorithm."""
-    shared = {}
-    for m in MODULES:
-        with open(m.__file__) as f:
-            source = f.read()
-        shared[m.__name__] = (source[re.search(r"^# -+ plumbing", source, re.M).start():],
-                              *(inspect.getsource(f) for f in (m.Batch, m.shuffled, m.SoftmaxDraw, m.sample,
-                                                               m.sample_vllm, m.evaluate, m.micro_batches,
-                                                               m.reference_logprobs)))
-    assert len(set(shared.values())) == 1 and len(shared["grpo"][0].splitlines()) > 300, "see diff grpo.py ppo.py"
+def shared_text(module) -> tuple[str, ...]:
+    """A script's text below the plumbing marker, and that of the functions of a step that every script calls alike
+    above it."""
+    with open(module.__file__) as f:
+        source = f.read()
+    functions = (module.Batch, module.shuffled, module.SoftmaxDraw, module.sample, module.sample_vllm, module.evaluate,
+                 module.micro_batches, module.reference_logprobs)
+    return (source[re.search(r"^# -+ plumbing", source, re.M).start():], *map(inspect.getsource, functions))
 
 
-def test_every_script_shares_compute_policy_loss_signature():
-    signatures = {m.__name__: list(inspect.signature(m.compute_policy_loss).parameters) for m in MODULES}
-    assert all(s == ["logprobs", "old_logprobs", "ref_logprobs", "sampler_logprobs", "advantages", "mask", "args"]
-               for s in signatures.values()), signatures
+# parametrized by script, so that `pytest -k NAME` selects these two for a fork named NAME (docs/fork.md)
+@pytest.mark.parametrize("module", MODULES)
+def test_the_plumbing_and_the_step_s_shared_functions_are_identical_in_all_four_scripts(module):
+    """The shared text is grpo.py's in every script (a fork's too), so `diff` shows only the algorithm."""
+    assert shared_text(module) == shared_text(MODULES[0]), f"see diff grpo.py {module.__name__}.py"
+    assert len(shared_text(module)[0].splitlines()) > 300
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_every_script_shares_compute_policy_loss_signature(module):
+    parameters = list(inspect.signature(module.compute_policy_loss).parameters)
+    assert parameters == ["logprobs", "old_logprobs", "ref_logprobs", "sampler_logprobs", "advantages", "mask", "args"]
 
 
 @pytest.mark.parametrize("module", MODULES)
