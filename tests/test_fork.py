@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 from conftest import ROOT, read_run, run_script
-from test_precision import EXACT, first_step
+from test_precision import exact, first_step
 from test_runs import TINY, check_micro_batch_invariance
 
 GUIDE = os.path.join(ROOT, "docs", "fork.md")
@@ -81,7 +81,7 @@ def test_micro_batching_changes_neither_the_update_nor_the_logged_statistics(for
 def test_before_any_update_every_ratio_is_1_and_the_kl_is_0(fork, tiny_model, copy_task, tmp_path, monkeypatch):
     scalars, _ = first_step(fork, tiny_model, copy_task, tmp_path, monkeypatch, "--dtype", "bfloat16",
                             "--learning-rate", "1e-30")
-    assert {tag: scalars[tag] for tag in EXACT} == EXACT
+    assert {tag: scalars[tag] for tag in exact(fork)} == exact(fork)
 
 
 def test_two_steps_from_the_command_line(fork, tiny_model, copy_task, tmp_path):
