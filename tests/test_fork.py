@@ -34,10 +34,13 @@ def fork(request, tmp_path_factory):
     assert applied.returncode == 0, f"docs/fork.md's {name} diff no longer applies to grpo.py: {applied.stderr}"
     spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    previous = sys.modules.get(name)  # a script of the same name at the root, tested as the scripts are
     sys.modules[name] = module  # (a script run in-process looks itself up by name, as `import` would)
     spec.loader.exec_module(module)
     yield module
     del sys.modules[name]
+    if previous is not None:
+        sys.modules[name] = previous
 
 
 def test_the_fork_changes_only_the_algorithm(fork):
