@@ -16,7 +16,9 @@ import torch
 from conftest import ROOT, read_run, run_script
 from test_precision import exact, first_step
 from test_runs import TINY, check_micro_batch_invariance
-from test_shared import check_log_ratios_past_20_are_clamped
+from test_shared import check_log_ratios_past_20_are_clamped, shared_text
+
+import grpo
 
 GUIDE = os.path.join(ROOT, "docs", "fork.md")
 
@@ -46,14 +48,9 @@ def fork(request, tmp_path_factory):
 
 
 def test_the_fork_changes_only_the_algorithm(fork):
-    """The plumbing is grpo.py's, and the diff is the guide's size for each fork: the lines `diff` marks < or >
-    (a token-level loss changes a few more in main)."""
-    with open(os.path.join(ROOT, "grpo.py")) as f:
-        grpo = f.read()
-    with open(fork.__file__) as f:
-        source = f.read()
-    marker = re.compile(r"^# -+ plumbing", re.M)
-    assert source[marker.search(source).start():] == grpo[marker.search(grpo).start():]
+    """The plumbing and the step's shared functions are grpo.py's, and the diff is the guide's size for each fork: the
+    lines `diff` marks < or > (a token-level loss changes a few more in main)."""
+    assert shared_text(fork) == shared_text(grpo)
     changed = subprocess.run(["diff", os.path.join(ROOT, "grpo.py"), fork.__file__], capture_output=True, text=True)
     limit = {"drgrpo": 15, "rloo": 11, "cispo": 42, "gmpo": 33, "sapo": 28}[fork.__name__]
     assert 0 < len([line for line in changed.stdout.splitlines() if line[:1] in "<>"]) <= limit
