@@ -18,10 +18,10 @@ Run (the default model is SmolLM2-135M-Instruct, the default task built-in arith
     python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --task openai/gsm8k --max-new-tokens 512
     torchrun --nproc_per_node 8 grpo.py --model Qwen/Qwen2.5-7B-Instruct --num-prompts 64
 
-To fork (docs/fork.md): the algorithm is the section under `Args` and the lines of `main` marked
-ALGO. The step's shared functions (`sample`, `evaluate`, ...) and everything under the plumbing
-marker are the same text in all four scripts (a test checks it), so `diff grpo.py gspo.py` shows
-only what an algorithm changes.
+To fork (docs/fork.md): edit this docstring, `Args` (new hyperparameters), the algorithm section
+under it and the lines of `main` marked ALGO. The step's shared functions (`sample`, `evaluate`,
+...) and everything under the plumbing marker are the same text in all four scripts (a test
+checks it), so `diff grpo.py gspo.py` shows only what an algorithm changes.
 
 Deliberate simplifications, each to keep the file readable (docs/ says more):
   - precision: float32 weights, gradients and AdamW state; bf16 compute by autocast where the

@@ -84,6 +84,15 @@ def copy_task(tmp_path_factory) -> str:
     return path
 
 
+def loss_statistics(module: ModuleType) -> list[str]:
+    """The names of the statistics that a script's compute_policy_loss returns (main logs each as losses/NAME), from
+    one token on-policy: every loss's (tests/test_runs.py's LOSS_STATISTICS) and its own, such as the clip_fraction of
+    a loss that clips. (A (1,) advantage is one completion's, or PPO's one token's.)"""
+    one = torch.zeros(1, 1)
+    _, stats = module.compute_policy_loss(one, one, one, one, torch.ones(1), torch.ones(1, 1), module.Args())
+    return list(stats)
+
+
 def run_script(module: ModuleType, *argv: str, cwd: str = ROOT, timeout: float = 600,
                env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `python grpo.py argv...` (the script of `module`) in `cwd` (where runs/ is written), as a user would."""

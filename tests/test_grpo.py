@@ -118,3 +118,20 @@ def test_truncated_importance_sampling_hand_computed():
     hf, stats = grpo.compute_policy_loss(logprobs, old, torch.zeros(1, 2), sampler, torch.tensor([1.0]), mask,
                                          grpo.Args(beta=0.0))
     assert hf.item() == pytest.approx(-1.0) and stats["tis_truncated_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("log_ratio", [100.0, -100.0])
+def test_a_log_ratio_of_100_gives_the_clamped_loss_e20_or_1_minus_eps_and_no_gradient(log_ratio):
+    """One token, A = -1, old and reference log-probs 0, beta 0.1: the ratio is exp(clamp(log w, -20, 20)) and the k3
+    KL's exp is clamped too, so the loss is e^20 (unclipped, since A < 0 and w > 1 + eps) or 1 - eps (clipped at the
+    bottom), plus beta k3, finite where exp(100) would be inf in float32; past the clamp no gradient flows.
+    (tests/test_shared.py checks the clamp on every script, without these numbers.)"""
+    logprobs = torch.tensor([[log_ratio]], requires_grad=True)
+    loss, stats = loss_of(logprobs, torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1), beta=0.1)
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    delta = -20.0 if log_ratio > 0 else 20.0  # log pi_ref - log pi, clamped
+    kl = math.exp(delta) - delta - 1
+    policy = math.exp(20) if log_ratio > 0 else 1 - grpo.Args().clip_eps  # -min(w A, clip(w) A) with A = -1
+    assert math.isfinite(loss.item()) and loss.item() == pytest.approx(policy + 0.1 * kl, rel=1e-6)
+    assert stats["kl"] == pytest.approx(kl, rel=1e-6)
+    assert grad.item() == 0.0

@@ -102,3 +102,20 @@ def test_truncated_importance_sampling_is_per_sequence_hand_computed():
     (grad,) = torch.autograd.grad(loss, logprobs)
     assert loss.item() == pytest.approx(-1.1) and stats["tis_truncated_fraction"] == 1.0
     assert torch.allclose(grad, torch.tensor([[-0.55, -0.55]]))  # d(-1.1 s)/d logp_t = -1.1 / |y|
+
+
+@pytest.mark.parametrize("log_ratio", [100.0, -100.0])
+def test_a_log_ratio_of_100_gives_the_clamped_loss_e20_or_1_minus_eps_and_no_gradient(log_ratio):
+    """One token, A = -1, old and reference log-probs 0, beta 0.1: s = exp(clamp(log s, -20, 20)) (one token: s is its
+    ratio) and the k3 KL's exp is clamped too, so the loss is e^20 (unclipped, since A < 0 and s > 1 + eps_high) or
+    1 - eps_low (clipped at the bottom), plus beta k3, finite where exp(100) would be inf in float32; past the clamp no
+    gradient flows. (tests/test_shared.py checks the clamp on every script, without these numbers.)"""
+    logprobs = torch.tensor([[log_ratio]], requires_grad=True)
+    loss, stats = loss_of(logprobs, torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1), beta=0.1)
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    delta = -20.0 if log_ratio > 0 else 20.0  # log pi_ref - log pi, clamped
+    kl = math.exp(delta) - delta - 1
+    policy = math.exp(20) if log_ratio > 0 else 1 - gspo.Args().clip_eps_low  # -min(s A, clip(s) A) with A = -1
+    assert math.isfinite(loss.item()) and loss.item() == pytest.approx(policy + 0.1 * kl, rel=1e-6)
+    assert stats["kl"] == pytest.approx(kl, rel=1e-6)
+    assert grad.item() == 0.0

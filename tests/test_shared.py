@@ -272,47 +272,61 @@ def test_bfloat16_compute_trains_float32_weights_that_move(module, tiny_model, c
     assert changed / total > 0.5, f"{changed / total:.1%} of the entries changed"
 
 
-def test_the_plumbing_and_the_step_s_shared_functions_are_identical_in_all_four_scripts():
-    """Everything below the plumbing marker, and the functions of a step that every script calls alike above it, are
-    the same text in every script, so `diff` shows only the algorithm."""
-    shared = {}
-    for m in MODULES:
-        with open(m.__file__) as f:
-            source = f.read()
-        shared[m.__name__] = (source[re.search(r"^# -+ plumbing", source, re.M).start():],
-                              *(inspect.getsource(f) for f in (m.Batch, m.shuffled, m.SoftmaxDraw, m.sample,
-                                                               m.sample_vllm, m.evaluate, m.micro_batches,
-                                                               m.reference_logprobs)))
-    assert len(set(shared.values())) == 1 and len(shared["grpo"][0].splitlines()) > 300, "see diff grpo.py ppo.py"
+def shared_text(module) -> tuple[str, ...]:
+    """A script's text below the plumbing marker, and that of the functions of a step that every script calls alike
+    above it."""
+    with open(module.__file__) as f:
+        source = f.read()
+    functions = (module.Batch, module.shuffled, module.SoftmaxDraw, module.sample, module.sample_vllm, module.evaluate,
+                 module.micro_batches, module.reference_logprobs)
+    return (source[re.search(r"^# -+ plumbing", source, re.M).start():], *map(inspect.getsource, functions))
 
 
-def test_every_script_shares_compute_policy_loss_signature():
-    signatures = {m.__name__: list(inspect.signature(m.compute_policy_loss).parameters) for m in MODULES}
-    assert all(s == ["logprobs", "old_logprobs", "ref_logprobs", "sampler_logprobs", "advantages", "mask", "args"]
-               for s in signatures.values()), signatures
+# parametrized by script, so that `pytest -k NAME` selects these two for a fork named NAME (docs/fork.md)
+@pytest.mark.parametrize("module", MODULES)
+def test_the_plumbing_and_the_step_s_shared_functions_are_identical_in_all_four_scripts(module):
+    """The shared text is grpo.py's in every script (a fork's too), so `diff` shows only the algorithm."""
+    assert shared_text(module) == shared_text(MODULES[0]), f"see diff grpo.py {module.__name__}.py"
+    assert len(shared_text(module)[0].splitlines()) > 300
 
 
 @pytest.mark.parametrize("module", MODULES)
-@pytest.mark.parametrize("log_ratio", [100.0, -100.0])
-def test_log_ratios_past_20_are_clamped_before_exp_so_the_loss_stays_finite(module, log_ratio):
-    """One completion of one token, A = -1 (PPO: that token's advantage), old and reference log-probs 0, beta 0.1: the
-    ratio is exp(clamp(log w, -20, 20)) and the k3 KL's exp too, so the loss is e^20 (unclipped, since A < 0 and
-    w > 1 + eps) or 1 - eps (clipped at the bottom), plus beta k3 (PPO: the KL is in its reward, only logged here),
-    finite where exp(100) would be inf in float32; past the clamp no gradient flows."""
-    logprobs = torch.tensor([[log_ratio]], requires_grad=True)
-    advantages = torch.tensor([[-1.0]]) if module.__name__ == "ppo" else torch.tensor([-1.0])
-    args = module.Args(beta=0.1)
-    zeros = torch.zeros(1, 1)
-    loss, stats = module.compute_policy_loss(logprobs, zeros, zeros, zeros, advantages, torch.ones(1, 1), args)
-    loss.backward()
-    low = getattr(args, "clip_eps", getattr(args, "clip_eps_low", None))
-    delta = -20.0 if log_ratio > 0 else 20.0  # log pi_ref - log pi, clamped
-    kl = math.exp(delta) - delta - 1
-    policy = math.exp(20) if log_ratio > 0 else 1 - low  # -min(w A, clip(w) A) with A = -1
-    expected = policy + (0 if module.__name__ == "ppo" else 0.1 * kl)
-    assert math.isfinite(loss.item()) and loss.item() == pytest.approx(expected, rel=1e-6)
-    assert stats["kl"] == pytest.approx(kl, rel=1e-6)
-    assert logprobs.grad.item() == 0.0
+def test_every_script_shares_compute_policy_loss_signature(module):
+    parameters = list(inspect.signature(module.compute_policy_loss).parameters)
+    assert parameters == ["logprobs", "old_logprobs", "ref_logprobs", "sampler_logprobs", "advantages", "mask", "args"]
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_log_ratios_past_20_are_clamped_before_exp_so_the_loss_stays_finite(module):
+    check_log_ratios_past_20_are_clamped(module)
+
+
+def check_log_ratios_past_20_are_clamped(module):
+    """What any loss built on the ratio exp(clamp(log w, -20, 20)) and the k3 KL's exp(clamp(ref - logp, -20, 20))
+    satisfies, whatever it computes from them (tests/test_fork.py runs it on the guide's forks; each script's own
+    numbers, GRPO's e^20 and 1 - eps, are in its own test file). One token, A = 1 and -1, beta 0.1, the old and the
+    reference log-probs log w below the current one: at log w = +-100 (exp(100) is inf in float32) the loss, its
+    gradient and its statistics are finite, the loss and the KL are those at +-20 and +-21, and the gradient is that at
+    +-21: no gradient flows through the clamped ratio or KL (a term on log pi itself, as CISPO's, keeps its own)."""
+    mask = torch.ones(1, 1)
+    for advantage in (1.0, -1.0):
+        for sign in (1, -1):
+            results = []
+            for size in (20, 21, 100):
+                logprobs = torch.tensor([[-1.0]], requires_grad=True)
+                old = logprobs.detach() - sign * size  # log w = sign * size; the reference's log-probs too
+                # one completion's advantage, or (PPO) its one token's
+                advantages = torch.tensor([advantage])
+                loss, stats = module.compute_policy_loss(logprobs, old, old, old, advantages, mask,
+                                                         module.Args(beta=0.1))
+                (grad,) = torch.autograd.grad(loss, logprobs)
+                assert math.isfinite(loss.item()) and math.isfinite(grad.item())
+                assert all(math.isfinite(value) for value in stats.values()), stats
+                results.append((loss.item(), stats["kl"], grad.item()))
+            (loss_20, kl_20, _), (loss_21, kl_21, grad_21), (loss_100, kl_100, grad_100) = results
+            assert loss_21 == pytest.approx(loss_20, rel=1e-6) and loss_100 == pytest.approx(loss_20, rel=1e-6)
+            assert kl_21 == pytest.approx(kl_20, rel=1e-6) and kl_100 == pytest.approx(kl_20, rel=1e-6)
+            assert grad_100 == pytest.approx(grad_21, rel=1e-6, abs=1e-12)
 
 
 @pytest.mark.parametrize("module", MODULES)
