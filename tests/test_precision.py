@@ -171,15 +171,17 @@ def test_dtype_auto_is_bf16_on_a_gpu_that_computes_it_natively_and_float32_on_an
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("module, checkpointing", [(grpo, []), (ppo, ["--gradient-checkpointing"])],
+@pytest.mark.parametrize("module, own", [(grpo, ["--num-prompts", "2"]),
+                                         (ppo, ["--num-prompts", "4", "--gradient-checkpointing"])],
                          ids=["grpo_shared_prompt", "ppo_checkpointing"])
-def test_the_real_model_before_any_update_in_bf16(module, checkpointing, tmp_path):
-    """SmolLM2-135M-Instruct, each script's defaults but --beta 0.04 and 16 new tokens, lr 1e-30, bf16. Two runs, one
-    per forward path (a prompt's keys and values shared, or whole rows), the script with the most passes on the
-    second: the other scripts' paths are the same code, checked in bf16 on the tiny model above (on a CPU without
-    native bf16 each run takes minutes)."""
+def test_the_real_model_before_any_update_in_bf16(module, own, tmp_path):
+    """SmolLM2-135M-Instruct, each script's defaults but --beta 0.04 and 16 new tokens, lr 1e-30, bf16, and a quarter
+    (PPO) or half (GRPO) of the default completions: two mini-batches still, each its own old, reference and training
+    passes. Two runs, one per forward path (a prompt's keys and values shared, or whole rows), the script with the
+    most passes on the second: the other scripts' paths are the same code, checked in bf16 on the tiny model above
+    (on a CPU without native bf16 each run takes minutes: PPO's took 464 s at the default 16 completions)."""
     result = run_script(module, "--steps", "1", "--eval-every", "0", "--max-new-tokens", "16", "--beta", "0.04",
-                        "--dtype", "bfloat16", "--learning-rate", "1e-30", "--output-dir", "ckpt", *checkpointing,
+                        "--dtype", "bfloat16", "--learning-rate", "1e-30", "--output-dir", "ckpt", *own,
                         *OWN_ARGS.get(module.__name__, []), cwd=str(tmp_path))
     assert result.returncode == 0
     scalars = {tag: values[0][1] for tag, values in read_run(str(tmp_path))[0].items()}
