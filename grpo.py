@@ -24,8 +24,8 @@ under it and the lines of `main` marked ALGO. The step's shared functions (`samp
 checks it), so `diff grpo.py gspo.py` shows only what an algorithm changes.
 
 Deliberate simplifications, each to keep the file readable (docs/ says more):
-  - precision: float32 weights, gradients and AdamW state; bf16 compute by autocast where the
-    hardware multiplies bf16 natively (docs/precision.md);
+  - precision: float32 weights, gradients and AdamW state; bf16 compute by autocast on a GPU
+    that multiplies bf16 natively, float32 on a CPU (--dtype auto; docs/precision.md);
   - sampling: `model.generate`, or one vLLM engine per process (--sampler vllm), with exactly the
     settings in Args; greedy evaluation always with `model.generate` (docs/vllm.md);
   - resume: a checkpoint every --save-every steps and on Ctrl-C or SIGTERM (docs/checkpoints.md);
