@@ -773,6 +773,10 @@ def count_tokens(batch, rows: torch.Tensor, group_size: int) -> int:
 def validate(args: Args) -> tuple[Args, dict, rewards.Task]:
     """Reject bad arguments in one line before anything heavy loads. Returns the arguments, where
     the run stands (with --resume, both the checkpoint's) and the task."""
+    # under torchrun only rank 0 prints, from here on: its warnings, and those of the prompts and
+    # the model read before init_distributed (errors go to stderr, from every rank)
+    if int(os.environ.get("RANK", "0")) > 0:
+        sys.stdout = open(os.devnull, "w")
     args, state = resume(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))  # processes under torchrun
     at_least = {1: ["num_prompts", "micro_batch_size", "num_iterations", "num_minibatches",
