@@ -867,8 +867,10 @@ def tokenize_prompts(args: Args, task: rewards.Task) -> tuple[tuple, int]:
     prompts_cut = rewards.encode_prompts(tokenizer, records, args.max_prompt_tokens, system_prompt)
     # the longest prompt and its completion must fit the model's positions: past them, learned
     # positions fail and rotary ones degrade, unsaid. A rope scaling stretches them, each kind its
-    # own way, and some models have no such limit: no check then
-    longest = max(len(record["prompt_ids"]) for record in records)
+    # own way, and some models have no such limit: no check then. Of the held-out prompts only those
+    # evaluated count (the first --eval-prompts, none with --eval-every 0)
+    evaluated = task.test[: args.eval_prompts] if args.eval_every > 0 else []
+    longest = max(len(record["prompt_ids"]) for record in task.train + evaluated)
     positions = getattr(config, "max_position_embeddings", None)
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     scaled = rope.get("rope_type", "default") != "default"
