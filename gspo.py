@@ -773,6 +773,10 @@ def count_tokens(batch, rows: torch.Tensor, group_size: int) -> int:
 def validate(args: Args) -> tuple[Args, dict, rewards.Task]:
     """Reject bad arguments in one line before anything heavy loads. Returns the arguments, where
     the run stands (with --resume, both the checkpoint's) and the task."""
+    # under torchrun only rank 0 prints, from here on: its warnings, and those of the prompts and
+    # the model read before init_distributed (errors go to stderr, from every rank)
+    if int(os.environ.get("RANK", "0")) > 0:
+        sys.stdout = open(os.devnull, "w")
     args, state = resume(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))  # processes under torchrun
     at_least = {1: ["num_prompts", "micro_batch_size", "num_iterations", "num_minibatches",
@@ -863,8 +867,10 @@ def tokenize_prompts(args: Args, task: rewards.Task) -> tuple[tuple, int]:
     prompts_cut = rewards.encode_prompts(tokenizer, records, args.max_prompt_tokens, system_prompt)
     # the longest prompt and its completion must fit the model's positions: past them, learned
     # positions fail and rotary ones degrade, unsaid. A rope scaling stretches them, each kind its
-    # own way, and some models have no such limit: no check then
-    longest = max(len(record["prompt_ids"]) for record in records)
+    # own way, and some models have no such limit: no check then. Of the held-out prompts only those
+    # evaluated count (the first --eval-prompts, none with --eval-every 0)
+    evaluated = task.test[: args.eval_prompts] if args.eval_every > 0 else []
+    longest = max(len(record["prompt_ids"]) for record in task.train + evaluated)
     positions = getattr(config, "max_position_embeddings", None)
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     scaled = rope.get("rope_type", "default") != "default"

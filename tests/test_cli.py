@@ -176,3 +176,19 @@ def test_more_prompts_a_step_than_the_task_has_is_one_warning_before_the_model_l
     warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: ")]
     assert warnings == [f"warning: --num-prompts 500 is more than the 180 training prompts of --task {copy_task}: "
                         "each step takes each of them about 2.8 times"]
+
+
+def test_a_long_held_out_prompt_that_is_never_evaluated_does_not_stop_the_run(tiny_model, tmp_path, monkeypatch):
+    """The positions check counts the training prompts and the held-out prompts evaluated (the first --eval-prompts),
+    none other: the last of 200 prompts, a held-out one of 30 tokens, with 40 new tokens passes the tiny model's 64
+    positions only where it is evaluated."""
+    rows = [("1", "1")] * 199 + [("1" * 30, "1")]
+    (tmp_path / "task.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in rows))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(grpo, "load_model", loading)
+    argv = ["--model", tiny_model, "--task", "task.jsonl", "--max-new-tokens", "40"]
+    for more in (["--eval-every", "0"], ["--eval-prompts", "4"]):
+        with pytest.raises(Loading):
+            grpo.main(tyro.cli(grpo.Args, args=[*argv, *more]))
+    with pytest.raises(SystemExit, match=r"^error: the longest prompt plus --max-new-tokens \(30 \+ 40 tokens\)"):
+        grpo.main(tyro.cli(grpo.Args, args=argv))
