@@ -1445,7 +1445,8 @@ def compute_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
         return getattr(torch, name), f"--dtype {name}"
     if device.type != "cuda":
         # measured: even where a CPU multiplies bf16 natively, it is not faster for every script
-        # (GSPO 0.95x on AVX-512 BF16, GRPO 0.93-1.05x on AMX; docs/precision.md), and learns less
+        # (a GSPO step 1.05x its float32 time on AVX-512 BF16, GRPO's 0.93-1.05x on AMX;
+        # docs/precision.md), and it learns less
         return torch.float32, "--dtype auto: a CPU, where bf16 is not faster for every script"
     native = torch.cuda.is_bf16_supported(including_emulation=False)
     why = "this GPU computes bf16 natively" if native else "this GPU has no native bf16"

@@ -6,7 +6,7 @@ back the arguments each run wrote (runs/{run_name}/args.json) and what it logged
     python benchmark/benchmark.py                                   # CPU: SmolLM2-135M-Instruct, arithmetic, seed 1
     python benchmark/benchmark.py --preset gpu                      # Qwen2.5-0.5B-Instruct, 128 completions a step
     python benchmark/benchmark.py --seeds 1 2 3 --scripts grpo gspo   # any subset, any seeds
-    python benchmark/benchmark.py --scripts grpo --dtypes auto float32  # the default precision against float32
+    python benchmark/benchmark.py --scripts grpo --dtypes bfloat16 float32  # each phase in bf16 against float32
     python benchmark/benchmark.py --samplers hf vllm                # model.generate against vLLM (docs/vllm.md)
     python benchmark/benchmark.py --report-only --out benchmark/cpu   # redraw the tables and figure from runs there
 
