@@ -1464,16 +1464,14 @@ def sampler_gap(old_logprobs, sampler_logprobs, mask) -> dict:
 # Many devices (torchrun, FSDP2). Without torchrun each is a no-op: rank 0 of 1, unsharded models.
 def init_distributed(dtype: str, timeout_minutes: float) -> tuple[int, int, torch.device,
                                                                   torch.dtype]:
-    """Rank, processes, device, compute dtype. Under torchrun only rank 0 prints, logs, saves; a
-    process waits `timeout_minutes` for the others (a hung one), then fails."""
+    """Rank, processes, device, compute dtype. Under torchrun only rank 0 logs and saves (and
+    prints: validate); a process waits `timeout_minutes` for the others (a hung one), then fails."""
     cuda = torch.cuda.is_available()
     if "RANK" in os.environ:
         if cuda:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         timeout = datetime.timedelta(minutes=timeout_minutes)
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
-        if dist.get_rank() > 0:
-            sys.stdout = open(os.devnull, "w")
     device = torch.device("cpu")
     if cuda:
         device = torch.device("cuda", torch.cuda.current_device())
