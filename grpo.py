@@ -115,8 +115,9 @@ class Args:
     prompt_field: str = "prompt"  # field holding the prompt in a .jsonl or Hub dataset
     answer_field: str = "answer"  # field holding the reference answer in a .jsonl or Hub dataset
     reward_weights: dict[str, float] = field(
-        default_factory=lambda: {"correctness": 1.0, "format": 0.2})
-    """reward functions from rewards.py and their weights: reward = sum of weight * function"""
+        default_factory=lambda: {"correctness": 1.0, "format": 0.2, "reward_model": 1.0})
+    """reward = sum of weight * function, of rewards.py's and --reward-model's (only with one)"""
+    reward_model: str | None = None  # a sequence classifier, one output (docs/reward_model.md)
     system_prompt: str = "auto"
     """a system prompt: auto (reasoning-gym's default for its tasks, else none), none, the name of
     one of reasoning-gym's SYSTEM_PROMPTS, or the text itself"""
@@ -277,10 +278,11 @@ def rollout(model, tokenizer, task: rewards.Task, args: Args, prompts_taken: int
 
     # 3. score every completion (timed apart from sampling: charts/time_score)
     answers = [record["answer"] for record in picked for _ in range(args.group_size)]
-    score_start = time.time()
-    reward, reward_parts = rewards.score(batch.completions, answers, task, args.reward_weights)
-    score_seconds = time.time() - score_start
     prompts = [record["prompt"] for record in picked for _ in range(args.group_size)]
+    score_start = time.time()
+    reward, reward_parts = rewards.score(batch.completions, answers, task, args.reward_weights,
+                                         prompts)
+    score_seconds = time.time() - score_start
     return batch._replace(reward=reward, reward_parts=reward_parts, score_seconds=score_seconds,
                           prompts=prompts, answers=answers)
 
@@ -399,27 +401,35 @@ def sample_vllm(llm, tokenizer, prompt_ids: list[list[int]], args: Args, eos_ids
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, records: list[dict], correctness: rewards.RewardFunc, args: Args,
-             writer, step: int) -> float:
+def evaluate(model, tokenizer, records: list[dict], task: rewards.Task, args: Args, writer,
+             step: int) -> float:
     """Greedy accuracy on held-out records (this rank's share; the total is summed over the ranks),
-    measured with the task's correctness reward, and logged."""
+    measured with the task's correctness reward, and --reward-model's mean score, each logged where
+    there is one. Returns the accuracy, or for a task of prompts alone the score."""
     eval_start = time.time()
     greedy = GenerationConfig(do_sample=False, max_new_tokens=args.max_new_tokens,
                               pad_token_id=tokenizer.pad_token_id,
                               eos_token_id=model.generation_config.eos_token_id)
     chunk_size = args.num_prompts * args.group_size
-    scores = []
+    correct = scored = 0.0  # this rank's sums
     with gathered(model):
         for start in range(0, len(records), chunk_size):
             chunk = records[start : start + chunk_size]
             prompt_ids = [record["prompt_ids"] for record in chunk]
-            batch = sample(model, tokenizer, prompt_ids, 1, greedy, None)
-            scores += correctness(batch.completions, [record["answer"] for record in chunk])
-    counts = torch.tensor([[sum(scores), len(scores)]], dtype=torch.float64)
-    correct, total = all_gather(counts).sum(0).tolist()
-    accuracy = correct / max(1, total)
-    log(writer, step, {"eval_accuracy": accuracy, "time_eval": time.time() - eval_start})
-    return accuracy
+            completions = sample(model, tokenizer, prompt_ids, 1, greedy, None).completions
+            if task.has_answers:
+                correct += sum(task.correctness(completions, [r["answer"] for r in chunk]))
+            if task.reward_model:
+                scored += task.reward_model([r["prompt"] for r in chunk], completions).sum().item()
+    sums = torch.tensor([[correct, scored, len(records)]], dtype=torch.float64)
+    correct, scored, total = all_gather(sums).sum(0).tolist()
+    charts = {"time_eval": time.time() - eval_start}
+    if task.reward_model:
+        charts["eval_reward_model"] = scored / max(1, total)
+    if task.has_answers:
+        charts["eval_accuracy"] = correct / max(1, total)
+    log(writer, step, charts)
+    return charts["eval_accuracy"] if task.has_answers else charts["eval_reward_model"]
 
 
 def micro_batches(indices: torch.Tensor, completion_mask: torch.Tensor, group_size: int,
@@ -462,6 +472,10 @@ def main(args: Args) -> None:
     # every forward pass (sampling, old, reference, training): float32 weights cast per op
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     tokenizer, model = load_model(args.model, read)  # float32 weights, on the CPU until sharded
+    # --reward-model: frozen, in the compute dtype, a whole copy on every rank
+    if args.reward_model:
+        task.reward_model = rewards.RewardModel(args.reward_model, dtype, device,
+                                                args.micro_batch_size)
     if args.float32_head:
         float32_head(model)  # (the reference, a copy, computes its head so too)
     layers = model._no_split_modules or set()  # the layer classes FSDP2 shards one by one
@@ -505,12 +519,12 @@ def main(args: Args) -> None:
     stopping = False
     rewards_by_step = {}  # the mean reward of each step this process runs, for the summary
     loop_start = time.time()
+    measure = "accuracy" if task.has_answers else "reward-model score"  # what evaluate returns
     # held-out accuracy before training (a resumed run measured its own with its checkpoint)
     if step == 0 and args.eval_every > 0 and not args.preflight:
         with autocast:
-            accuracy[step] = evaluate(model, tokenizer, eval_records, task.correctness, args,
-                                      writer, step)
-        print(f"step {step}/{args.steps}: held-out greedy accuracy {accuracy[step]:.3f} on "
+            accuracy[step] = evaluate(model, tokenizer, eval_records, task, args, writer, step)
+        print(f"step {step}/{args.steps}: held-out greedy {measure} {accuracy[step]:.3f} on "
               f"{len(task.test[: args.eval_prompts])} prompts")
     with stop_signals(run_dir) as signals:
         while step < args.steps:
@@ -635,11 +649,11 @@ def main(args: Args) -> None:
             # 8. held-out accuracy every --eval-every steps and after the last; the step's line
             if args.eval_every > 0 and (step % args.eval_every == 0 or step == args.steps):
                 with autocast:
-                    accuracy[step] = evaluate(model, tokenizer, eval_records, task.correctness,
-                                              args, writer, step)
+                    accuracy[step] = evaluate(model, tokenizer, eval_records, task, args, writer,
+                                              step)
             eta = (time.time() - loop_start) / (step - start) * (args.steps - step)
-            print(step_line(step, args.steps, rewards_by_step[step], accuracy.get(step), means,
-                            time.time() - step_start, eta))
+            print(step_line(step, args.steps, rewards_by_step[step], accuracy.get(step), measure,
+                            means, time.time() - step_start, eta))
             # a checkpoint every --save-every steps, after the last and on Ctrl-C or SIGTERM (on
             # any rank: every rank stops after this same step)
             stopping = any(all_gather(len(signals) > 0))
@@ -653,7 +667,7 @@ def main(args: Args) -> None:
                 break
     if llm is not None:
         llm.llm_engine.engine_core.shutdown()  # before finish: it ends the process group too
-    finish(writer, args, start, step, stopping, accuracy, rewards_by_step,
+    finish(writer, args, start, step, stopping, accuracy, measure, rewards_by_step,
            time.time() - loop_start, last_checkpoint)
 
 
@@ -765,6 +779,8 @@ def validate(args: Args) -> tuple[Args, dict, rewards.Task]:
     if int(os.environ.get("RANK", "0")) > 0:
         sys.stdout = open(os.devnull, "w")
     args, state = resume(args)
+    if not args.reward_model:
+        args.reward_weights.pop("reward_model", None)  # (its default weight)
     world = int(os.environ.get("WORLD_SIZE", "1"))  # processes under torchrun
     at_least = {1: ["num_prompts", "micro_batch_size", "num_iterations", "num_minibatches",
                     "max_new_tokens", "max_prompt_tokens", "max_skipped_updates"],
@@ -787,8 +803,8 @@ def validate(args: Args) -> tuple[Args, dict, rewards.Task]:
          "--learning-rate, --max-grad-norm and --lora-alpha must be > 0 and finite"),
         (0 < args.timeout_minutes < math.inf, "--timeout-minutes must be > 0 and finite"),
         (math.isfinite(args.beta), "--beta must be finite"),
-        (set(args.reward_weights) <= {"correctness", "format"},
-         "--reward-weights: correctness and format only"),
+        (set(args.reward_weights) <= {"correctness", "format", "reward_model"},
+         "--reward-weights: correctness, format and reward_model only"),
         (all(0 <= w < math.inf for w in args.reward_weights.values())
          and sum(args.reward_weights.values()) > 0,
          "--reward-weights must be >= 0 and finite, and not all 0"),
@@ -822,6 +838,7 @@ def validate(args: Args) -> tuple[Args, dict, rewards.Task]:
     for ok, message in checks:
         if not ok:
             raise SystemExit(f"error: {message}")
+    rewards.check_reward_model(args.reward_model)  # a sequence classifier with one output
     # the checkpoints' folder: one this process can create and write in, known before training
     existing = os.path.abspath(args.output_dir)
     while not os.path.exists(existing):
@@ -833,6 +850,14 @@ def validate(args: Args) -> tuple[Args, dict, rewards.Task]:
         task = rewards.load_task(args.task, args.difficulty, args.prompt_field, args.answer_field)
     except (OSError, ValueError, ImportError) as e:
         raise SystemExit(f"error: {e}")
+    # a task of prompts alone: the reward model scores it, the rules have no answer to judge
+    if not task.has_answers:
+        if not args.reward_model:
+            raise SystemExit(f"error: --task {args.task}: no answers (no field "
+                             f"{args.answer_field!r}): score its completions with a --reward-model,"
+                             " or set --answer-field")
+        print(f"--task {args.task}: prompts alone, no answers: the reward model alone scores")
+        args.reward_weights = {"reward_model": args.reward_weights["reward_model"]}
     # more prompts a step than the task has to train on: a step takes some of them several times
     if args.num_prompts > len(task.train):
         print(f"warning: --num-prompts {args.num_prompts} is more than the {len(task.train)} "
@@ -1163,10 +1188,11 @@ def stop_signals(run_dir: str):
             signal.signal(signum, handler)
 
 
-def finish(writer, args: Args, start: int, step: int, stopped: bool, accuracy: dict,
+def finish(writer, args: Args, start: int, step: int, stopped: bool, accuracy: dict, measure: str,
            rewards_by_step: dict, seconds: float, last_checkpoint: str | None) -> None:
     """Close the logs and the process group, and say what the run did: its steps and time, its
-    reward first and last, its held-out accuracy before and after, and where its checkpoint is."""
+    reward first and last, its held-out accuracy (or `measure`) before and after, and where its
+    checkpoint is."""
     if writer:
         writer.close()
     if writer and args.track:
@@ -1178,7 +1204,7 @@ def finish(writer, args: Args, start: int, step: int, stopped: bool, accuracy: d
     if args.preflight:
         return
     if args.steps == 0:
-        print(f"evaluation only (--steps 0): held-out greedy accuracy {accuracy[0]:.3f}")
+        print(f"evaluation only (--steps 0): held-out greedy {measure} {accuracy[0]:.3f}")
         return
     if step == start:
         print(f"nothing left to do: the run finished its {args.steps} steps ({last_checkpoint})")
@@ -1194,18 +1220,18 @@ def finish(writer, args: Args, start: int, step: int, stopped: bool, accuracy: d
     last = max(accuracy, default=0)
     if 0 in accuracy:
         after = f" -> {accuracy[last]:.3f} after {last} steps" if last > 0 else ""
-        print(f"  held-out greedy accuracy: {accuracy[0]:.3f} before training{after}")
+        print(f"  held-out greedy {measure}: {accuracy[0]:.3f} before training{after}")
     print(f"  checkpoint: {last_checkpoint}")
     if stopped:
         print(f"resume with: {resume_command(last_checkpoint)}")
 
 
-def step_line(step: int, steps: int, reward: float, accuracy: float | None, means: dict,
-              seconds: float, eta: float) -> str:
+def step_line(step: int, steps: int, reward: float, accuracy: float | None, measure: str,
+              means: dict, seconds: float, eta: float) -> str:
     """A step in one line: where the run is, what it learns, and when it ends."""
     parts = [f"step {step}/{steps}: reward {reward:.3f}"]
     if accuracy is not None:
-        parts.append(f"held-out accuracy {accuracy:.3f}")
+        parts.append(f"held-out {measure} {accuracy:.3f}")
     if "policy_loss" in means:
         parts.append(f"policy loss {means['policy_loss']:.4f}")
     else:
@@ -1236,7 +1262,7 @@ def completions_table(batch, group_size: int) -> str:
         if not isinstance(prompt, str):  # chat messages: the last one
             prompt = prompt[-1]["content"]
         cells = [json.dumps(text)[1:-1][:500].replace("|", "\\|")
-                 for text in (prompt, batch.answers[i], batch.completions[i])]
+                 for text in (prompt, batch.answers[i] or "", batch.completions[i])]  # (None: none)
         rows.append(f"|{cells[0]}|{cells[1]}|{cells[2]}|{batch.reward[i]:.2f}|")
     return "\n".join(rows)
 

@@ -34,6 +34,7 @@ import sympy
 import torch
 from math_verify import LatexExtractionConfig, parse, verify
 from math_verify.errors import TimeoutException
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 ANSWER_INSTRUCTION = "Put your final answer in \\boxed{}."
 # longer "numbers" are never a valid answer; the limit also keeps Fraction() cheap
@@ -374,6 +375,10 @@ class Task:
     reads: Callable[[str], str | None] = extract_answer
     # how many references held a whole solution, reduced to its `\boxed{}` answer (preflight says)
     references_reduced: int = 0
+    # False: a task of prompts alone, every answer None (only a reward model can score it)
+    has_answers: bool = True
+    # --reward-model's scorer (a RewardModel), set by the scripts
+    reward_model: Callable | None = None
 
     @property
     def reward_funcs(self) -> dict[str, RewardFunc]:
@@ -381,13 +386,17 @@ class Task:
         return {"correctness": self.correctness, "format": format_reward}
 
 
-def score(completions: list[str], answers: list[str], task: Task, weights: dict[str, float]):
+def score(completions: list[str], answers: list[str], task: Task, weights: dict[str, float],
+          prompts: list | None = None):
     """The reward of each completion, sum of weight * function over `weights`, and each function's
     scores (and the errors) for logging, as tensors (B,). A function that raises on a completion
     scores it 0, counted in parts["errors"] (the scripts log it as charts/reward_errors), and the
-    run goes on."""
+    run goes on. "reward_model" is task.reward_model's score of each prompt and completion."""
     parts = {name: torch.zeros(len(completions)) for name in [*weights, "errors"]}
     for name in weights:
+        if name == "reward_model":
+            parts[name] = task.reward_model(prompts, completions)
+            continue
         for i, (completion, answer) in enumerate(zip(completions, answers)):
             try:
                 parts[name][i] = task.reward_funcs[name]([completion], [answer])[0]
@@ -396,6 +405,67 @@ def score(completions: list[str], answers: list[str], task: Task, weights: dict[
                 print(f"reward {name} raised {error!r} on {completion[:80]!r}: scored 0")
     reward = sum(weights[name] * parts[name] for name in weights)  # (B,)
     return reward.float(), parts
+
+
+# ----------------------------------------------------------------------------- a reward model
+def check_reward_model(name: str | None) -> None:
+    """Exit with one `error:` line unless --reward-model `name` (None: none), read from its config
+    alone, is a sequence classifier with one output, as TRL and OpenRLHF expect."""
+    if name is None:
+        return
+    try:
+        config = AutoConfig.from_pretrained(os.path.expanduser(name))
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"error: --reward-model {name}: {str(error).splitlines()[0]}")
+    architectures = config.architectures or ["model of no architecture"]
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):
+        raise SystemExit(f"error: --reward-model {name}: a {', '.join(architectures)}, not a "
+                         "sequence classifier (...ForSequenceClassification) with one output")
+    if config.num_labels != 1:
+        raise SystemExit(f"error: --reward-model {name}: {config.num_labels} outputs; a reward "
+                         "model has one")
+
+
+class RewardModel:
+    """--reward-model: a sequence classifier with one output, frozen, in the compute dtype. It reads
+    each prompt and completion as a conversation in its own chat template (the prompt the user's
+    message, or chat messages as they are; the completion the assistant's reply), as TRL does; with
+    no template, the prompt's text (or its messages' contents) and the completion's, one text."""
+
+    def __init__(self, name: str, dtype: torch.dtype, device: torch.device, batch_size: int):
+        path = os.path.expanduser(name)
+        self.tokenizer = AutoTokenizer.from_pretrained(path, padding_side="right")
+        self.tokenizer.pad_token = self.tokenizer.pad_token or self.tokenizer.eos_token
+        model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype)
+        self.model = model.to(device).eval().requires_grad_(False)
+        # it scores the last token that is not padding: it must know the pad token
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.batch_size = batch_size
+
+    def texts(self, prompts: list, completions: list[str]) -> list[str]:
+        """The conversations the model reads, as text (its template's special tokens included)."""
+        texts = []
+        for prompt, completion in zip(prompts, completions):
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            messages = [*messages, {"role": "assistant", "content": completion}]
+            if self.tokenizer.chat_template:
+                texts.append(self.tokenizer.apply_chat_template(messages, tokenize=False))
+            else:
+                texts.append("".join(message["content"] for message in messages))
+        return texts
+
+    @torch.no_grad()
+    def __call__(self, prompts: list, completions: list[str]) -> torch.Tensor:
+        """The score of each (prompt, completion), float32 on the CPU, (B,)."""
+        texts = self.texts(prompts, completions)
+        scores = []
+        for start in range(0, len(texts), self.batch_size):
+            # (a template has its own special tokens)
+            inputs = self.tokenizer(texts[start : start + self.batch_size], padding=True,
+                                    add_special_tokens=not self.tokenizer.chat_template,
+                                    return_tensors="pt").to(self.model.device)
+            scores.append(self.model(**inputs).logits[:, 0].float().cpu())
+        return torch.cat(scores)
 
 
 BUILTIN_TASKS = ("arithmetic", "countdown")
@@ -469,14 +539,15 @@ def builtin_task(name: str, difficulty: int, seed: int = 0) -> Task:
     return Task(train, test)
 
 
-def to_record(row, prompt_field: str, answer_field: str, where: str) -> tuple[dict, bool]:
+def to_record(row, prompt_field: str, answer_field: str | None, where: str) -> tuple[dict, bool]:
     """One raw row as {"prompt", "answer"}, and whether its answer was reduced to a `\\boxed{}`
-    answer; or a ValueError naming `where` it is, the field it lacks and those it has.
+    answer; or a ValueError naming `where` it is, the field it lacks and those it has. With no
+    `answer_field` (a task of prompts alone) the answer is None.
 
     A GSM8K-style answer keeps only what follows '####'; an answer holding a whole solution that
     states its answer in `\\boxed{}` (MATH's `solution` field) keeps only the content of its last
     `\\boxed{}`, as open-r1 and verl read it."""
-    for name in (prompt_field, answer_field):
+    for name in [prompt_field, answer_field][: 1 + (answer_field is not None)]:
         if not isinstance(row, dict) or name not in row:
             if isinstance(row, dict):
                 contents = f"it has {sorted(row)}"
@@ -501,6 +572,8 @@ def to_record(row, prompt_field: str, answer_field: str, where: str) -> tuple[di
             if key not in message:
                 raise ValueError(f"{where}: message {number} of the prompt ({prompt_field!r}) has "
                                  f"no {key!r} (it has {sorted(message)})")
+    if answer_field is None:
+        return {"prompt": prompt, "answer": None}, False
     answer = row[answer_field]
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise ValueError(f"{where}: the answer ({answer_field!r}) is {json.dumps(answer)[:40]}: "
@@ -520,11 +593,12 @@ def hold_out(records: list[dict]) -> tuple[list[dict], list[dict]]:
 
 def jsonl_task(path: str, prompt_field: str, answer_field: str) -> Task:
     """One record per line, blank lines skipped; the last 10% held out. An error names the line and
-    what is wrong."""
+    what is wrong. A first record without `answer_field` makes a task of prompts alone."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--task {path}: no such file")
     records = []
     references_reduced = 0
+    answers = None  # whether the records have answers: as the first one does
     with open(path, "rb") as file:
         for number, raw in enumerate(file, 1):
             try:
@@ -541,14 +615,16 @@ def jsonl_task(path: str, prompt_field: str, answer_field: str) -> Task:
                 raise ValueError(f"--task {path}: line {number} is not valid JSON "
                                  f"({error.msg})") from None
             where = f"--task {path}: line {number}"
-            record, reduced = to_record(row, prompt_field, answer_field, where)
+            if answers is None:
+                answers = not isinstance(row, dict) or answer_field in row
+            record, reduced = to_record(row, prompt_field, answer_field if answers else None, where)
             records.append(record)
             references_reduced += reduced
     if len(records) < 2:
         empty = " (the file is empty)" if not records else ""
         raise ValueError(f"--task {path}: needs at least 2 records, found {len(records)}{empty}")
     train, test = hold_out(records)
-    return Task(train, test, references_reduced=references_reduced)
+    return Task(train, test, references_reduced=references_reduced, has_answers=answers)
 
 
 def hub_task(name: str, prompt_field: str, answer_field: str) -> Task:
@@ -579,6 +655,8 @@ def hub_task(name: str, prompt_field: str, answer_field: str) -> Task:
     columns = dataset["train"].column_names
     if prompt_field not in columns and "question" in columns:
         prompt_field = "question"
+    if answer_field not in columns:
+        answer_field = None  # a task of prompts alone
     splits = {}
     references_reduced = 0
     for split in ("train", "test"):
@@ -600,9 +678,9 @@ def hub_task(name: str, prompt_field: str, answer_field: str) -> Task:
         raise ValueError(f"--task {name}: needs records to train on and to hold out; found "
                          f"{len(train)}, {len(test)}")
     for record in train + test:
-        if isinstance(record["prompt"], str):
+        if isinstance(record["prompt"], str) and answer_field is not None:
             record["prompt"] = f"{record['prompt']}\n{ANSWER_INSTRUCTION}"
-    return Task(train, test, references_reduced=references_reduced)
+    return Task(train, test, references_reduced=references_reduced, has_answers=bool(answer_field))
 
 
 def reasoning_gym_task(name: str, seed: int = 0) -> Task:
@@ -781,8 +859,10 @@ def preflight(completions: list[str], reward: torch.Tensor, truncated: torch.Ten
                      f"whole solution): {task.references_reduced} of {n_references}")
     lines.append(f"  truncated at --max-new-tokens {max_new_tokens}: {n_truncated} of "
                  f"{n_completions}")
-    lines.append(f"  an answer the reward can read: {readable} of {n_completions} ({stated} in "
-                 "\\boxed{} or <answer>)")
+    # (a task of prompts alone has no answer to read)
+    if task.has_answers:
+        lines.append(f"  an answer the reward can read: {readable} of {n_completions} ({stated} "
+                     "in \\boxed{} or <answer>)")
     if group_size > 1:
         lines.append(f"  groups with zero reward spread (every advantage 0): {flat} of {groups}")
     lines.append(f"  e.g. (reward {reward[best]:.2f}): {json.dumps(completions[best])[:300]}")
@@ -792,7 +872,7 @@ def preflight(completions: list[str], reward: torch.Tensor, truncated: torch.Ten
     if truncated.float().mean() > 0.5:
         warnings.append("most completions reach the length limit unfinished, and a cut answer "
                         "scores nothing: raise --max-new-tokens")
-    if readable == 0:
+    if readable == 0 and task.has_answers:
         no_answer = ("no completion holds an answer the reward can read: check --task's prompts "
                      "and answers, and set --system-prompt to ask for an answer in the format the "
                      "task's checker reads, \\boxed{} or <answer>...</answer>")

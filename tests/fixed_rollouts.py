@@ -52,7 +52,7 @@ def fixed_sample(model, tokenizer, prompt_ids, repeat, gen_config, draw):
                  sampler_logprobs=sampler_logprobs)
 
 
-def fixed_score(completions, answers, task, weights):
+def fixed_score(completions, answers, task, weights, prompts=None):
     """Correctness 1 for a completion that starts with an even digit: every group of two or more has contrast."""
     correct = torch.tensor([float(c[:1] in "02468") for c in completions])
     return correct, {"correctness": correct}
