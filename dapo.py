@@ -889,8 +889,9 @@ def validate(args: Args) -> tuple[Args, dict, rewards.Task]:
     if int(os.environ.get("RANK", "0")) > 0:
         sys.stdout = open(os.devnull, "w")
     args, state = resume(args)
-    if not args.reward_model:
-        args.reward_weights.pop("reward_model", None)  # (its default weight)
+    # a reward model's weight counts only with one (its default, 1.0, is dropped unsaid)
+    if not args.reward_model and args.reward_weights.pop("reward_model", 1.0) != 1.0:
+        raise SystemExit("error: --reward-weights.reward-model needs a --reward-model")
     world = int(os.environ.get("WORLD_SIZE", "1"))  # processes under torchrun
     at_least = {1: ["num_prompts", "micro_batch_size", "num_iterations", "num_minibatches",
                     "max_new_tokens", "max_prompt_tokens", "max_skipped_updates"],

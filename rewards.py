@@ -377,8 +377,7 @@ class Task:
     references_reduced: int = 0
     # False: a task of prompts alone, every answer None (only a reward model can score it)
     has_answers: bool = True
-    # --reward-model's scorer (a RewardModel), set by the scripts
-    reward_model: Callable | None = None
+    reward_model: Callable | None = None  # --reward-model's RewardModel, set by the scripts
 
     @property
     def reward_funcs(self) -> dict[str, RewardFunc]:
@@ -386,8 +385,7 @@ class Task:
         return {"correctness": self.correctness, "format": format_reward}
 
 
-def score(completions: list[str], answers: list[str], task: Task, weights: dict[str, float],
-          prompts: list | None = None):
+def score(completions: list[str], answers: list[str], task: Task, weights: dict, prompts=None):
     """The reward of each completion, sum of weight * function over `weights`, and each function's
     scores (and the errors) for logging, as tensors (B,). A function that raises on a completion
     scores it 0, counted in parts["errors"] (the scripts log it as charts/reward_errors), and the
@@ -413,6 +411,8 @@ def check_reward_model(name: str | None) -> None:
     alone, is a sequence classifier with one output, as TRL and OpenRLHF expect."""
     if name is None:
         return
+    if name.startswith((".", "/", "~")) and not os.path.exists(os.path.expanduser(name)):
+        raise SystemExit(f"error: --reward-model {name}: no such file or folder")
     try:
         config = AutoConfig.from_pretrained(os.path.expanduser(name))
     except (OSError, ValueError) as error:
@@ -422,25 +422,26 @@ def check_reward_model(name: str | None) -> None:
         raise SystemExit(f"error: --reward-model {name}: a {', '.join(architectures)}, not a "
                          "sequence classifier (...ForSequenceClassification) with one output")
     if config.num_labels != 1:
-        raise SystemExit(f"error: --reward-model {name}: {config.num_labels} outputs; a reward "
-                         "model has one")
+        raise SystemExit(f"error: --reward-model {name}: {config.num_labels} outputs, not one")
 
 
 class RewardModel:
-    """--reward-model: a sequence classifier with one output, frozen, in the compute dtype. It reads
-    each prompt and completion as a conversation in its own chat template (the prompt the user's
-    message, or chat messages as they are; the completion the assistant's reply), as TRL does; with
-    no template, the prompt's text (or its messages' contents) and the completion's, one text."""
+    """--reward-model: a sequence classifier with one output, frozen, in the compute dtype, reading
+    each prompt (text: the user's message) and completion (the assistant's reply) in its own chat
+    template, as TRL does; with none, the prompt's text (or its messages') and the completion."""
 
     def __init__(self, name: str, dtype: torch.dtype, device: torch.device, batch_size: int):
         path = os.path.expanduser(name)
         self.tokenizer = AutoTokenizer.from_pretrained(path, padding_side="right")
-        self.tokenizer.pad_token = self.tokenizer.pad_token or self.tokenizer.eos_token
         model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype)
         self.model = model.to(device).eval().requires_grad_(False)
-        # it scores the last token that is not padding: it must know the pad token
-        self.model.config.pad_token_id = self.tokenizer.pad_token_id
-        self.batch_size = batch_size
+        # it scores the last token that is not padding, the pad token its config's, else its
+        # tokenizer's; with neither, one conversation at a time, scored at its last token
+        config = self.model.config
+        if config.pad_token_id is None:
+            config.pad_token_id = self.tokenizer.pad_token_id
+        self.tokenizer.pad_token_id = config.pad_token_id
+        self.batch_size = batch_size if config.pad_token_id is not None else 1
 
     def texts(self, prompts: list, completions: list[str]) -> list[str]:
         """The conversations the model reads, as text (its template's special tokens included)."""
@@ -461,7 +462,8 @@ class RewardModel:
         scores = []
         for start in range(0, len(texts), self.batch_size):
             # (a template has its own special tokens)
-            inputs = self.tokenizer(texts[start : start + self.batch_size], padding=True,
+            inputs = self.tokenizer(texts[start : start + self.batch_size],
+                                    padding=self.batch_size > 1,
                                     add_special_tokens=not self.tokenizer.chat_template,
                                     return_tensors="pt").to(self.model.device)
             scores.append(self.model(**inputs).logits[:, 0].float().cpu())
@@ -655,8 +657,7 @@ def hub_task(name: str, prompt_field: str, answer_field: str) -> Task:
     columns = dataset["train"].column_names
     if prompt_field not in columns and "question" in columns:
         prompt_field = "question"
-    if answer_field not in columns:
-        answer_field = None  # a task of prompts alone
+    answer_field = answer_field if answer_field in columns else None  # None: prompts alone
     splits = {}
     references_reduced = 0
     for split in ("train", "test"):
@@ -859,7 +860,6 @@ def preflight(completions: list[str], reward: torch.Tensor, truncated: torch.Ten
                      f"whole solution): {task.references_reduced} of {n_references}")
     lines.append(f"  truncated at --max-new-tokens {max_new_tokens}: {n_truncated} of "
                  f"{n_completions}")
-    # (a task of prompts alone has no answer to read)
     if task.has_answers:
         lines.append(f"  an answer the reward can read: {readable} of {n_completions} ({stated} "
                      "in \\boxed{} or <answer>)")
