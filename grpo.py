@@ -81,7 +81,8 @@ class Args:
     beta: float = 0.04  # KL coefficient against the initial policy; 0 loads no reference model
 
     # sampling
-    num_prompts: int = 4  # prompts per step
+    num_prompts: int = field(default_factory=lambda: 4 * int(os.environ.get("WORLD_SIZE", "1")))
+    """prompts per step over all processes: by default 4 a process"""
     group_size: int = 4  # completions sampled per prompt (G)
     max_prompt_tokens: int = 256  # prompts are cut to their last this many tokens
     max_new_tokens: int = 48  # length limit; a completion that reaches it without EOS is truncated

@@ -103,7 +103,8 @@ class Args:
     critic_learning_rate: float = 1e-4  # PPO: AdamW learning rate of the critic (its own group)
 
     # sampling
-    num_prompts: int = 16  # prompts per step (PPO: 16 x 1, as many completions as the others)
+    num_prompts: int = field(default_factory=lambda: 16 * int(os.environ.get("WORLD_SIZE", "1")))
+    """prompts per step over all processes: by default 16 a process (16 x 1 completions)"""
     group_size: int = 1  # completions per prompt (PPO: no group, the critic is the baseline)
     max_prompt_tokens: int = 256  # prompts are cut to their last this many tokens
     max_new_tokens: int = 48  # length limit; a completion that reaches it without EOS is truncated
