@@ -563,7 +563,9 @@ def main(args: Args) -> None:
     if args.resume and not args.lora_rank:
         saved = AutoModelForCausalLM.from_pretrained(args.resume, dtype=torch.float32)
         model.load_state_dict(saved.state_dict())
-    model = shard(add_lora(model, args), layers, device)
+    model = add_lora(model, args)
+    frozen_in_compute_dtype(model, dtype)  # LoRA: its frozen base cast once, not at every product
+    model = shard(model, layers, device)
     # a LoRA run's reference is the policy itself, its adapter switched off
     if args.beta > 0 and args.lora_rank:
         ref_model = model
@@ -1521,16 +1523,21 @@ def shard(module: torch.nn.Module, layer_names: set, device: torch.device) -> to
 
 def reference_copy(model, dtype: torch.dtype):
     """A frozen copy of the initial policy that computes exactly what the policy computes, in train
-    mode as it is (no dropout): float32, but each linear layer that autocast casts to `dtype` for
-    every product anyway stored in `dtype`: the same values in half the memory. (Not one tied to
-    the embedding, nor a float32 head, --float32-head, whose forward `float32_head` replaced.)"""
+    mode as it is (no dropout), its linear layers in `dtype` (frozen_in_compute_dtype)."""
     ref_model = copy.deepcopy(model).requires_grad_(False)
-    embedding = ref_model.get_input_embeddings().weight
-    for module in ref_model.modules():
-        if (isinstance(module, torch.nn.Linear) and module.weight is not embedding
-                and "forward" not in vars(module)):
-            module.to(dtype)
+    frozen_in_compute_dtype(ref_model, dtype)
     return ref_model
+
+
+def frozen_in_compute_dtype(model, dtype: torch.dtype) -> None:
+    """Each frozen linear layer, whose weight autocast casts to `dtype` at every product (caching
+    no cast of a frozen weight), stored in `dtype`: the same values, half the memory, one cast. (Not
+    one tied to the embedding, nor a float32 head, whose forward `float32_head` replaced.)"""
+    embedding = model.get_input_embeddings().weight
+    for module in model.modules():
+        if (isinstance(module, torch.nn.Linear) and not module.weight.requires_grad
+                and module.weight is not embedding and "forward" not in vars(module)):
+            module.to(dtype)
 
 
 def float32_head(model) -> None:
