@@ -203,10 +203,18 @@ def test_a_long_held_out_prompt_that_is_never_evaluated_does_not_stop_the_run(ti
 ONE_PROCESS_PROMPTS = {"grpo": 4, "gspo": 8, "dapo": 4, "ppo": 16}
 
 
+@pytest.fixture(scope="module")
+def arithmetic():
+    """The default task, built once (1.5 s each time)."""
+    return rewards.load_task("arithmetic")
+
+
 @pytest.mark.parametrize("module", MODULES)
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
-def test_torchrun_with_only_a_model_passes_the_argument_checks(module, world, tiny_model, tmp_path, monkeypatch):
+def test_torchrun_with_only_a_model_passes_the_argument_checks(module, world, tiny_model, arithmetic, tmp_path,
+                                                               monkeypatch):
     """`torchrun --nproc_per_node N script.py --model M`: each process reads WORLD_SIZE as validate does."""
+    monkeypatch.setattr(rewards, "load_task", lambda *args: arithmetic)  # the default task, no --task
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "0")
@@ -229,10 +237,9 @@ def documented_torchrun_commands() -> list[tuple[str, int, str, list[str]]]:
 
 
 @pytest.mark.parametrize("processes", [2, 4, 8])
-def test_the_documented_torchrun_commands_pass_the_argument_checks(processes, tmp_path, monkeypatch):
+def test_the_documented_torchrun_commands_pass_the_argument_checks(processes, arithmetic, tmp_path, monkeypatch):
     """As written, on 2, 4 and 8 processes a node; their Hub task, Hub reward model and prompts.jsonl are not
     fetched here (a built-in task stands in, the reward model is not read)."""
-    arithmetic = rewards.load_task("arithmetic")
     monkeypatch.setattr(rewards, "load_task", lambda *args: arithmetic)
     monkeypatch.setattr(rewards, "check_reward_model", lambda name: None)
     monkeypatch.chdir(tmp_path)
