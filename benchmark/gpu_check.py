@@ -14,16 +14,17 @@ group: a random model's own would all be 0, every advantage 0 and every gradient
      and how far each head moves 16 completions' log-probs from float32 maths.
 
     python benchmark/gpu_check.py prepare .gpu_check           # here: the model's config and tokenizer (no weights)
-    bash benchmark/gpu_check.sh                                # on the GPU: the wheels it lacks, then `run`
+    bash benchmark/gpu_check.sh                                # on the GPU: the wheels beyond torch, then `run`
     python benchmark/gpu_check.py run .gpu_check OUT [--tiny]  # the check; --tiny: a 2-layer model (tests, CPU)
 
-It writes OUT/gpu_check.md (the tables, after each run) and exits 1 if an exact value is not exact. Checkpoints go
-to a temporary folder, deleted after each run.
+It writes OUT/gpu_check.md (the tables, after each run), nothing else, and exits 1 if a run failed or an exact value
+is not exact. Each run works in a temporary folder, deleted once its TensorBoard log is read, and saves no checkpoint
+(the 0.5B model's would be 6 GB, PPO's 12, never read); a run that fails or outlasts RUN_TIMEOUT is a row of the table
+saying so, and the check goes on.
 """
 
 import glob
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,9 +36,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 SCRIPTS = ["grpo", "gspo", "dapo", "ppo"]
 OWN_ARGS = {"dapo": ["--overlong-buffer", "0"]}  # no room for DAPO's 12-token overlong buffer in --tiny's 8 tokens
-# a script run as a user runs it, but for its rewards: 1, 0, 1, 0, ... (argv: ROOT, the script, its arguments)
+RUN_TIMEOUT = 150  # seconds a run may take: about 40 on an H100 by estimate, for the 0.5B model
+# a script run as a user runs it, but for its rewards, 1, 0, 1, 0, ..., and its checkpoints, not written (argv: ROOT,
+# the script, its arguments)
 SCRIPTED = """
-import runpy, sys
+import importlib.util, os, sys
 import torch
 sys.path.insert(0, sys.argv[1])
 import rewards
@@ -47,9 +50,16 @@ def score(completions, answers, task, weights, prompts=None):
     zeros = torch.zeros(len(completions))
     return reward, {"correctness": reward, "format": zeros, "errors": zeros}
 
+def skip_save(run_dir, model, tokenizer, state, args):
+    return os.path.join(run_dir, f"step_{state['step']}")
+
 rewards.score = score
 sys.argv = sys.argv[2:]
-runpy.run_path(sys.argv[0], run_name="__main__")
+spec = importlib.util.spec_from_file_location("script", sys.argv[0])
+script = sys.modules["script"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(script)
+script.save_checkpoint = skip_save
+script.main(script.tyro.cli(script.Args))
 """
 EXACT = {"losses/ratio_mean": 1.0, "losses/clip_fraction": 0.0, "losses/kl": 0.0}
 PHASES = ["time_sample", "time_logprobs", "time_train", "step_seconds"]
@@ -89,33 +99,34 @@ def build_model(folder: str, tiny: bool) -> str:
     return path
 
 
-def train(script: str, model: str, out: str, name: str, tiny: bool, *argv: str) -> dict:
-    """Two steps of `script` in bf16 (64 completions of up to 64 tokens a step; --tiny: 4 of 8); {tag: [step 1's
-    value, step 2's]} as it logged them."""
+class RunFailed(Exception):
+    """A run that exited with an error or outlasted RUN_TIMEOUT: what to write in its row."""
+
+
+def train(script: str, model: str, name: str, tiny: bool, *argv: str) -> dict:
+    """Two steps of `script` in bf16 (64 completions of up to 64 tokens a step; --tiny: 4 of 8), in a temporary
+    folder; {tag: [step 1's value, step 2's]} as it logged them."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    cwd = os.path.join(out, name)
-    shutil.rmtree(cwd, ignore_errors=True)  # an earlier check's run
-    os.makedirs(cwd)
-    checkpoints = tempfile.mkdtemp()  # 6 GB a step for the 0.5B model (PPO 12), out of OUT; only the logs are read
     size = ["--max-new-tokens", "64", "--num-prompts", "8", "--group-size", "8", "--micro-batch-size", "16"]
     if tiny:
         size = ["--max-new-tokens", "8", "--num-prompts", "2", "--group-size", "2", "--micro-batch-size", "2"]
     command = [sys.executable, "-c", SCRIPTED, ROOT, os.path.join(ROOT, f"{script}.py"), "--model", model,
-               "--dtype", "bfloat16", "--steps", "2", "--eval-every", "0", *size, "--output-dir", checkpoints,
-               *OWN_ARGS.get(script, []), *argv]
+               "--dtype", "bfloat16", "--steps", "2", "--eval-every", "0", *size, *OWN_ARGS.get(script, []), *argv]
     start = time.time()
-    try:
-        result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300)
-    finally:
-        shutil.rmtree(checkpoints, ignore_errors=True)
-    if result.returncode != 0:
-        print(result.stdout[-3000:], result.stderr[-3000:])
-        return {}
-    (run,) = glob.glob(os.path.join(cwd, "runs", "*"))
-    events = EventAccumulator(run)
-    events.Reload()
-    scalars = {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    with tempfile.TemporaryDirectory() as cwd:
+        try:
+            result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            raise RunFailed(f"timed out after {RUN_TIMEOUT} s")
+        if result.returncode != 0:
+            print(result.stdout[-3000:], result.stderr[-3000:])
+            last_line = (result.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RunFailed(f"exit {result.returncode}: {last_line.replace('|', '/')[:200]}")
+        (run,) = glob.glob(os.path.join(cwd, "runs", "*"))
+        events = EventAccumulator(run)
+        events.Reload()
+        scalars = {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
     print(f"{name}: {time.time() - start:.0f} s")
     return scalars
 
@@ -168,10 +179,11 @@ def run(folder: str, out: str, tiny: bool) -> None:
           "|---|---|---|---|---|---|---|")
     failed = []
     for script in SCRIPTS:
-        scalars = train(script, model, out, f"{script}_exact", tiny, "--learning-rate", "1e-30", "--beta", "0.04")
-        if not scalars:
+        try:
+            scalars = train(script, model, f"{script}_exact", tiny, "--learning-rate", "1e-30", "--beta", "0.04")
+        except RunFailed as failure:
             failed.append(script)
-            write(f"| {script} | the run failed (its output above) | | | | | |")
+            write(f"| {script} | the run failed: {failure} | | | | | |")
             continue
         exact = all(scalars.get(tag) == [value, value] for tag, value in EXACT.items())
         if not exact:
@@ -183,9 +195,11 @@ def run(folder: str, out: str, tiny: bool) -> None:
     write("", "| GSPO, LM head | sampler gap mean / largest | token, sequence log-ratio std (step 2) | "
           "clip fraction (steps 1, 2) | step s | peak GB |", "|---|---|---|---|---|---|")
     for head, argv in [("bf16", []), ("float32", ["--float32-head"])]:
-        scalars = train("gspo", model, out, f"gspo_head_{head}", tiny, *argv)
-        if not scalars:
-            write(f"| {head} | the run failed (its output above) | | | | |")
+        try:
+            scalars = train("gspo", model, f"gspo_head_{head}", tiny, *argv)
+        except RunFailed as failure:
+            failed.append(f"gspo ({head} head)")
+            write(f"| {head} | the run failed: {failure} | | | | |")
             continue
         gap = f"{scalars['charts/sampler_gap_mean'][1]:.2e} / {scalars['charts/sampler_gap_max'][1]:.2e}"
         spread = f"{scalars['losses/token_log_ratio_std'][1]:.2e}, {scalars['losses/seq_log_ratio_std'][1]:.2e}"
@@ -197,7 +211,7 @@ def run(folder: str, out: str, tiny: bool) -> None:
           *[f"| {head} | {mean:.2e} | {largest:.2e} |" for head, (mean, largest) in errors.items()])
     if failed:
         raise SystemExit(f"error: {', '.join(failed)}: a run failed, or a ratio, clip fraction or KL that must be "
-                         "exact was not (see the table)")
+                         "exact was not (see the tables)")
 
 
 if __name__ == "__main__":

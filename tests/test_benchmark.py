@@ -1,6 +1,7 @@
 """The comparison command: its floating-point accounting on hand-computed numbers, its tables and figure from a run
 folder written by hand, and (slow) one short run of two scripts on the tiny model and the ceiling command."""
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -17,6 +18,7 @@ import grpo
 
 sys.path.insert(0, os.path.join(ROOT, "benchmark"))
 import benchmark  # noqa: E402
+import gpu_check  # noqa: E402
 
 
 def rows_by_width(text: str, scripts: tuple[str, ...]) -> dict[int, list[list[str]]]:
@@ -140,10 +142,58 @@ def test_the_gpu_check_runs_through_on_a_tiny_qwen2_on_the_cpu(tmp_path):
     script's two steps exact, and its tables written; what the GPU check itself measures, on a GPU, is in
     docs/speed.md."""
     check = os.path.join(ROOT, "benchmark", "gpu_check.py")
-    for argv in (["prepare", str(tmp_path / "prepared")], ["run", str(tmp_path / "prepared"), str(tmp_path), "--tiny"]):
+    out = tmp_path / "out"
+    out.mkdir()
+    for argv in (["prepare", str(tmp_path / "prepared")], ["run", str(tmp_path / "prepared"), str(out), "--tiny"]):
         result = subprocess.run([sys.executable, check, *argv], capture_output=True, text=True, timeout=900)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = (tmp_path / "gpu_check.md").read_text()
+    assert os.listdir(out) == ["gpu_check.md"]  # its one output
+    report = (out / "gpu_check.md").read_text()
     assert [line.split("|")[2].strip() for line in report.splitlines()
             if line.startswith(("| grpo", "| gspo", "| dapo", "| ppo"))] == ["yes"] * 4
     assert report.count("| float32 |") == 2 and report.count("| bf16 |") == 2  # the heads: their cost, their error
+
+
+def test_a_gpu_check_run_writes_its_log_and_no_checkpoint(tiny_model, tmp_path, monkeypatch):
+    """One run of the GPU check (GRPO, two steps, --tiny's size) in a folder kept for the test: its TensorBoard log is
+    read, and no checkpoint is written (the 0.5B model's would be 6 GB, never read)."""
+    monkeypatch.setattr(gpu_check.tempfile, "TemporaryDirectory", lambda: contextlib.nullcontext(str(tmp_path)))
+    scalars = gpu_check.train("grpo", tiny_model, "grpo_exact", True, "--learning-rate", "1e-30")
+    assert scalars["losses/ratio_mean"] == [1.0, 1.0]
+    written = [os.path.relpath(os.path.join(folder, name), tmp_path) for folder, _, names in os.walk(tmp_path)
+               for name in names]
+    assert written and all(path.startswith("runs" + os.sep) for path in written), written
+
+
+def test_the_gpu_check_records_a_run_that_times_out_or_fails_and_goes_on(tmp_path, monkeypatch):
+    """A run past RUN_TIMEOUT ends that run alone: its row says so, the next runs go on, the report is the output
+    folder's one file, and the check exits 1 at the end."""
+    def timed_out(command, **kwargs):
+        raise subprocess.TimeoutExpired(command, kwargs["timeout"])
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", timed_out)
+    with pytest.raises(gpu_check.RunFailed, match=f"^timed out after {gpu_check.RUN_TIMEOUT} s$"):
+        gpu_check.train("grpo", "model", "grpo_exact", True)
+    logged = {tag: [value, value] for tag, value in gpu_check.EXACT.items()}
+    logged |= {f"charts/{name}": [1.0, 1.0] for name in [*gpu_check.PHASES, "peak_memory_gb", "sampler_gap_mean",
+                                                            "sampler_gap_max"]}
+    logged |= {f"losses/{name}": [0.0, 0.0] for name in ["token_log_ratio_std", "seq_log_ratio_std"]}
+    runs = []
+
+    def train(script, model, name, tiny, *argv):
+        runs.append(name)
+        if name == "gspo_exact":
+            raise gpu_check.RunFailed(f"timed out after {gpu_check.RUN_TIMEOUT} s")
+        return logged
+
+    monkeypatch.setattr(gpu_check, "train", train)
+    monkeypatch.setattr(gpu_check, "build_model", lambda folder, tiny: "model")
+    monkeypatch.setattr(gpu_check, "head_error", lambda model, tokens: {"bf16": (1e-3, 1e-2), "float32": (1e-5, 1e-4)})
+    (tmp_path / "out").mkdir()
+    with pytest.raises(SystemExit, match="^error: gspo: a run failed"):
+        gpu_check.run(str(tmp_path / "prepared"), str(tmp_path / "out"), True)
+    assert runs == ["grpo_exact", "gspo_exact", "dapo_exact", "ppo_exact", "gspo_head_bf16", "gspo_head_float32"]
+    assert os.listdir(tmp_path / "out") == ["gpu_check.md"]
+    report = (tmp_path / "out" / "gpu_check.md").read_text()
+    assert f"| gspo | the run failed: timed out after {gpu_check.RUN_TIMEOUT} s |" in report
+    assert report.count("| yes |") == 3 and "| float32 | 1.00e-05 | 1.00e-04 |" in report

@@ -1,8 +1,11 @@
 """Each script's command line, through its real entry point as a user runs it: --help, and bad input that fails in
 one `error:` line before a model is loaded."""
 
+import glob
 import json
 import os
+import re
+import shlex
 import shutil
 
 import pytest
@@ -13,6 +16,7 @@ import dapo
 import grpo
 import gspo
 import ppo
+import rewards
 
 
 @pytest.mark.parametrize("module", FIRST_FAST)
@@ -192,3 +196,60 @@ def test_a_long_held_out_prompt_that_is_never_evaluated_does_not_stop_the_run(ti
             grpo.main(tyro.cli(grpo.Args, args=[*argv, *more]))
     with pytest.raises(SystemExit, match=r"^error: the longest prompt plus --max-new-tokens \(30 \+ 40 tokens\)"):
         grpo.main(tyro.cli(grpo.Args, args=argv))
+
+
+# the defaults under torchrun: --num-prompts counts the prompts of all processes (as verl's train_batch_size), and by
+# default grows with them (each process as many as one process alone, as TRL's per-device sizes)
+ONE_PROCESS_PROMPTS = {"grpo": 4, "gspo": 8, "dapo": 4, "ppo": 16}
+
+
+@pytest.fixture(scope="module")
+def arithmetic():
+    """The default task, built once (1.5 s each time)."""
+    return rewards.load_task("arithmetic")
+
+
+@pytest.mark.parametrize("module", MODULES)
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_torchrun_with_only_a_model_passes_the_argument_checks(module, world, tiny_model, arithmetic, tmp_path,
+                                                               monkeypatch):
+    """`torchrun --nproc_per_node N script.py --model M`: each process reads WORLD_SIZE as validate does."""
+    monkeypatch.setattr(rewards, "load_task", lambda *args: arithmetic)  # the default task, no --task
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    args, _, _ = module.validate(tyro.cli(module.Args, args=["--model", tiny_model]))
+    assert args.num_prompts == ONE_PROCESS_PROMPTS[module.__name__] * world
+
+
+def documented_torchrun_commands() -> list[tuple[str, int, str, list[str]]]:
+    """Every `torchrun ... SCRIPT.py ...` command of the README, docs/ and the scripts' docstrings: where it is
+    written, its --nnodes, its script and the script's arguments."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = ["README.md", *sorted(glob.glob("docs/*.md", root_dir=root)), *(m.__name__ + ".py" for m in MODULES)]
+    commands = []
+    for path in paths:
+        text = open(os.path.join(root, path)).read().replace("\\\n", " ")
+        for launcher, script, argv in re.findall(r"torchrun ([^`\n]*?)\b(\w+)\.py([^`\n]*)", text):
+            nodes = re.search(r"--nnodes[ =](\d+)", launcher)
+            commands.append((path, int(nodes.group(1)) if nodes else 1, script, shlex.split(argv)))
+    return commands
+
+
+@pytest.mark.parametrize("processes", [2, 4, 8])
+def test_the_documented_torchrun_commands_pass_the_argument_checks(processes, arithmetic, tmp_path, monkeypatch):
+    """As written, on 2, 4 and 8 processes a node; their Hub task, Hub reward model and prompts.jsonl are not
+    fetched here (a built-in task stands in, the reward model is not read)."""
+    monkeypatch.setattr(rewards, "load_task", lambda *args: arithmetic)
+    monkeypatch.setattr(rewards, "check_reward_model", lambda name: None)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RANK", "0")
+    commands = documented_torchrun_commands()
+    assert len(commands) >= 8 and {script for _, _, script, _ in commands} == set(ONE_PROCESS_PROMPTS)
+    for path, nodes, script, argv in commands:
+        module = {m.__name__: m for m in MODULES}[script]
+        monkeypatch.setenv("WORLD_SIZE", str(nodes * processes))
+        try:
+            module.validate(tyro.cli(module.Args, args=argv))
+        except SystemExit as stopped:
+            pytest.fail(f"{path}: {script}.py {shlex.join(argv)} on {nodes} x {processes} processes: {stopped}")

@@ -130,3 +130,12 @@ def test_after_set_up_each_process_holds_its_share_of_the_weights(module, tiny_m
             assert 0.45 * r["full"] <= r["local"] <= 0.55 * r["full"], r
     for first, second in zip(*ranks):
         assert first["local"] + second["local"] == first["full"]
+
+
+def test_four_processes_with_the_default_batch_take_a_step(tiny_model, copy_task, tmp_path):
+    """`torchrun --nproc_per_node 4 grpo.py` with no --num-prompts: 4 prompts a process, 16 in all, pass the checks
+    (mini-batches of whole groups on every process) and train; the preflight counts the whole batch."""
+    argv = [grpo.__file__, "--model", tiny_model, "--task", copy_task, "--steps", "1", "--eval-every", "0",
+            "--max-new-tokens", "4", "--output-dir", "ckpt"]
+    result = launch(argv, tmp_path, 4)
+    assert "the first batch: 64 completions of 16 prompts" in result.stdout and "step 1/1:" in result.stdout

@@ -39,7 +39,8 @@ def first_step(module, tiny_model, copy_task, tmp_path, monkeypatch, *argv) -> t
                                             *OWN_ARGS.get(module.__name__, []), *argv]))
     (checkpoint,) = glob.glob(str(tmp_path / "ckpt" / "*" / "step_1"))
     scalars = {tag: values[0][1] for tag, values in read_run(str(tmp_path))[0].items()}
-    return scalars, load_file(os.path.join(checkpoint, "model.safetensors"))
+    merged = ["merged"] if "--lora-rank" in argv else []  # a LoRA run's last checkpoint: its merged model
+    return scalars, load_file(os.path.join(checkpoint, *merged, "model.safetensors"))
 
 
 @pytest.mark.parametrize("variant", [[], ["--gradient-checkpointing"], ["--float32-head"]],
@@ -56,6 +57,37 @@ def test_before_any_update_every_ratio_is_1_nothing_is_clipped_and_the_kl_is_0(m
     assert {tag: scalars[tag] for tag in exact(module)} == exact(module)
     if module.__name__ == "ppo":  # V_old is computed as the training pass computes V
         assert scalars["losses/value_clip_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_a_lora_runs_frozen_base_is_stored_in_bf16_and_its_ratios_and_kl_stay_exact(module, tiny_model, copy_task,
+                                                                                     tmp_path, monkeypatch):
+    """--lora-rank 2 in bf16: the policy's frozen linear layers (the LM head too) are stored in bf16 (autocast would
+    cast them again at every product, each decoding step's too, caching no cast of a frozen weight), its adapters,
+    embeddings and norms in float32; the logits are those of float32 storage bit for bit; before any update every ratio
+    is exactly 1 and the KL to the base (the adapter off) exactly 0."""
+    tokenizer, model = module.load_model(tiny_model)
+    model = module.add_lora(model, module.Args(lora_rank=2))
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:  # peft starts B at 0 (the adapter then changes nothing): move it
+            torch.nn.init.normal_(parameter, std=0.1)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        stored_float32 = model(ids).logits
+        module.frozen_in_compute_dtype(model, torch.bfloat16)
+        stored_bf16 = model(ids).logits
+    assert torch.equal(stored_bf16, stored_float32)
+    sharded, shard = [], module.shard
+    monkeypatch.setattr(module, "shard", lambda model, *rest: sharded.append(model) or shard(model, *rest))
+    scalars, weights = first_step(module, tiny_model, copy_task, tmp_path, monkeypatch, "--dtype", "bfloat16",
+                                  "--learning-rate", "1e-30", "--lora-rank", "2")
+    dtypes = {name: p.dtype for name, p in sharded[-1].named_parameters()}  # the policy, sharded last
+    linear = [name for name in dtypes if ".base_layer." in name or name.endswith("lm_head.weight")]
+    assert {dtypes[name] for name in linear} == {torch.bfloat16}
+    assert {dtypes[name] for name in dtypes if name not in linear} == {torch.float32}
+    assert {tag: scalars[tag] for tag in exact(module)} == exact(module)
+    initial = load_file(os.path.join(tiny_model, "model.safetensors"))
+    assert all(torch.equal(weights[k], initial[k]) for k in initial)  # the merged model: the base, lr 1e-30
 
 
 @pytest.mark.parametrize("module", MODULES)

