@@ -879,11 +879,12 @@ def validate(args: Args) -> tuple[Args, dict, rewards.Task]:
         raise SystemExit(f"error: {e}")
     # a task of prompts alone: the reward model scores it, the rules have no answer to judge
     if not task.has_answers:
-        if not args.reward_model:
+        if not args.reward_model or args.reward_weights["reward_model"] == 0:
             raise SystemExit(f"error: --task {args.task}: no answers (no field "
-                             f"{args.answer_field!r}): score its completions with a --reward-model,"
-                             " or set --answer-field")
-        print(f"--task {args.task}: prompts alone, no answers: the reward model alone scores")
+                             f"{args.answer_field!r}): score its completions with a --reward-model "
+                             "of weight > 0, or set --answer-field")
+        print(f"--task {args.task}: prompts alone (no field {args.answer_field!r}): the rule "
+              "rewards are off, the reward model alone scores")
         args.reward_weights = {"reward_model": args.reward_weights["reward_model"]}
     # more prompts a step than the task has to train on: a step takes some of them several times
     if args.num_prompts > len(task.train):

@@ -375,8 +375,7 @@ class Task:
     reads: Callable[[str], str | None] = extract_answer
     # how many references held a whole solution, reduced to its `\boxed{}` answer (preflight says)
     references_reduced: int = 0
-    # False: a task of prompts alone, every answer None (only a reward model can score it)
-    has_answers: bool = True
+    has_answers: bool = True  # False: a task of prompts alone, every answer None
     reward_model: Callable | None = None  # --reward-model's RewardModel, set by the scripts
 
     @property
@@ -411,10 +410,12 @@ def check_reward_model(name: str | None) -> None:
     alone, is a sequence classifier with one output, as TRL and OpenRLHF expect."""
     if name is None:
         return
-    if name.startswith((".", "/", "~")) and not os.path.exists(os.path.expanduser(name)):
+    path = os.path.expanduser(name)
+    if name.startswith((".", "/", "~")) and not os.path.exists(path):
         raise SystemExit(f"error: --reward-model {name}: no such file or folder")
     try:
-        config = AutoConfig.from_pretrained(os.path.expanduser(name))
+        config = AutoConfig.from_pretrained(path)
+        AutoTokenizer.from_pretrained(path)  # (light; a folder saved without one fails here)
     except (OSError, ValueError) as error:
         raise SystemExit(f"error: --reward-model {name}: {str(error).splitlines()[0]}")
     architectures = config.architectures or ["model of no architecture"]
@@ -427,8 +428,7 @@ def check_reward_model(name: str | None) -> None:
 
 class RewardModel:
     """--reward-model: a sequence classifier with one output, frozen, in the compute dtype, reading
-    each prompt (text: the user's message) and completion (the assistant's reply) in its own chat
-    template, as TRL does; with none, the prompt's text (or its messages') and the completion."""
+    each prompt and completion as a conversation in its own chat template (docs/reward_model.md)."""
 
     def __init__(self, name: str, dtype: torch.dtype, device: torch.device, batch_size: int):
         path = os.path.expanduser(name)

@@ -209,3 +209,15 @@ def test_a_log_ratio_of_100_gives_the_clamped_loss_e20_or_1_minus_eps_and_no_gra
     assert math.isfinite(loss.item()) and loss.item() == pytest.approx(policy + 0.1 * kl, rel=1e-6)
     assert stats["kl"] == pytest.approx(kl, rel=1e-6)
     assert grad.item() == 0.0
+
+
+def test_dynamic_sampling_filters_on_a_reward_that_weighs():
+    """Groups are kept on correctness where it weighs, else on --reward-model's score where that weighs; with
+    neither (a format reward alone), check_args refuses dynamic sampling."""
+    def passes(weights: dict, reward_model: str | None = None) -> bool:
+        return all(ok for ok, _ in dapo.check_args(dapo.Args(reward_weights=weights, reward_model=reward_model)))
+
+    assert passes({"correctness": 1.0, "format": 0.2})
+    assert passes({"correctness": 0.0, "format": 0.0, "reward_model": 1.0}, "rm")
+    assert not passes({"correctness": 0.0, "format": 1.0, "reward_model": 0.0}, "rm")
+    assert not passes({"correctness": 0.0, "format": 1.0})

@@ -216,7 +216,7 @@ def test_each_script_raises_the_held_out_score_of_a_reward_model_that_prefers_se
     result = run_script(module, "--model", tiny_model, "--task", prompts_only, "--reward-model", sevens_reward_model,
                         *LEARN, *OWN_ARGS.get(module.__name__, []), cwd=str(tmp_path), env=ONE_THREAD)
     assert result.returncode == 0
-    assert f"--task {prompts_only}: prompts alone, no answers" in result.stdout
+    assert f"--task {prompts_only}: prompts alone (no field 'answer'): the rule rewards are off" in result.stdout
     assert "step 10/10: " in result.stdout and "held-out reward-model score" in result.stdout
     scalars, _ = read_run(str(tmp_path))
     assert "charts/eval_accuracy" not in scalars and "charts/reward_correctness" not in scalars
@@ -270,12 +270,17 @@ def test_under_torchrun_each_rank_scores_its_own_completions_as_the_reward_model
 
 
 # Bad input: one `error:` line before the policy (or the reward model) loads. The folder: ./causal, the tiny policy
-# itself (a causal LM); ./two_outputs, a classifier with num_labels 2; a task with answers and one of prompts alone.
+# itself (a causal LM); ./two_outputs, a classifier with num_labels 2; ./no_tokenizer, a classifier saved without its
+# tokenizer; ./rm, a good one; a task with answers and one of prompts alone.
 BAD_INPUTS = {
     "no_such_path": (["--reward-model", "./no/such/rm"], "--reward-model ./no/such/rm: no such file or folder"),
     "causal_lm": (["--reward-model", "./causal"], "--reward-model ./causal: a LlamaForCausalLM, not a sequence "
                                                   "classifier (...ForSequenceClassification) with one output"),
     "two_outputs": (["--reward-model", "./two_outputs"], "--reward-model ./two_outputs: 2 outputs, not one"),
+    "no_tokenizer": (["--reward-model", "./no_tokenizer"], "--reward-model ./no_tokenizer: "),
+    # a task of prompts alone whose only reward weighs 0
+    "prompts_alone_weight_0": (["--task", "prompts.jsonl", "--reward-model", "./rm", "--reward-weights.reward-model",
+                                "0"], "score its completions with a --reward-model of weight > 0"),
     "no_answers": (["--task", "prompts.jsonl"], "--task prompts.jsonl: no answers (no field 'answer'): score its "
                                                 "completions with a --reward-model"),
     # the reward model's weight alone, with no --reward-model: no reward left
@@ -289,6 +294,8 @@ def write_inputs(folder, tiny_model: str) -> None:
     shutil.copytree(tiny_model, folder / "causal")
     tokenizer = rm_tokenizer()
     save(reward_model(tokenizer, num_labels=2), tokenizer, folder / "two_outputs")
+    save(reward_model(tokenizer), tokenizer, folder / "rm")
+    reward_model(tokenizer).save_pretrained(folder / "no_tokenizer")
     prompts_task(folder / "prompts.jsonl", 20)
     with open(folder / "copy.jsonl", "w") as f:
         f.writelines(json.dumps({"prompt": str(i % 10), "answer": str(i % 10)}) + "\n" for i in range(20))
@@ -363,7 +370,8 @@ def test_a_task_of_prompts_alone_drops_the_rules_in_one_line_and_a_task_with_ans
         lines = [line for line in capsys.readouterr().out.splitlines() if "prompts alone" in line]
         assert args.reward_weights == weights and task.has_answers == ("copy.jsonl" in argv)
         assert lines == ([] if task.has_answers else
-                         ["--task prompts.jsonl: prompts alone, no answers: the reward model alone scores"])
+                         ["--task prompts.jsonl: prompts alone (no field 'answer'): the rule rewards are off, "
+                          "the reward model alone scores"])
 
 
 def test_the_reward_is_the_rules_and_the_reward_model_each_by_its_weight(tiny_model, reward_models, tmp_path,
