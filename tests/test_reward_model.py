@@ -330,27 +330,22 @@ def test_bad_reward_model_input_stops_main_in_one_line_before_a_model_loads(modu
     assert "\n" not in str(stopped.value) and sorted(os.listdir(tmp_path)) == before
 
 
+# those that read the reward model's files, where transformers might add lines of its own, and one of the rest
+ON_THE_COMMAND_LINE = ["no_such_path", "causal_lm", "two_outputs", "no_tokenizer", "no_answers"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("argv, message", BAD_INPUTS.values(), ids=BAD_INPUTS)
+@pytest.mark.parametrize("argv, message", [BAD_INPUTS[name] for name in ON_THE_COMMAND_LINE], ids=ON_THE_COMMAND_LINE)
 def test_bad_reward_model_input_fails_on_the_command_line_in_one_line_with_exit_code_1(argv, message, tiny_model,
                                                                                       tmp_path):
     """grpo.py as a user runs it: exit code 1, the one line on stderr (5 s each, nearly all of it imports: slow; the
-    test above checks every script's main in-process)."""
+    test above checks every case in every script's main in-process)."""
     write_inputs(tmp_path, tiny_model)
     result = run_script(grpo, "--model", tiny_model, "--task", "copy.jsonl", *argv, cwd=str(tmp_path),
                         env={**ONE_THREAD, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 1 and result.stderr.startswith("error: ") and message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "Loading weights" not in result.stderr
     assert not os.path.exists(tmp_path / "runs") and not os.path.exists(tmp_path / "checkpoints")
-
-
-@pytest.mark.slow
-def test_an_unknown_weight_name_is_refused_by_the_command_line(tiny_model, tmp_path):
-    write_inputs(tmp_path, tiny_model)
-    result = run_script(grpo, "--model", tiny_model, "--task", "copy.jsonl", "--reward-weights.length", "1",
-                        cwd=str(tmp_path), env=ONE_THREAD)
-    assert result.returncode == 2 and "Unrecognized options: --reward-weights.length" in result.stderr
-    assert "Traceback" not in result.stderr and not os.path.exists(tmp_path / "runs")
 
 
 @pytest.mark.parametrize("module", MODULES)
