@@ -5,9 +5,10 @@ output exists is not redone, so a stopped command picks up where it was.
     python experiments/reward_model.py                 # pairs, the reward model, the runs, docs/reward_model.md
     python experiments/reward_model.py --report-only   # redraw from what is there
 
-1. Pairs: the policy, SmolLM2-135M-Instruct, samples 8 completions of each of 400 training prompts of the built-in
-   arithmetic task as the scripts sample (temperature 0.7, full softmax); the task's checker labels each. A prompt
-   with a correct and a wrong completion gives up to 2 pairs (correct, wrong); the last 20% of prompts are held out.
+1. Pairs: the policy, SmolLM2-135M-Instruct, samples 8 completions of each of up to 400 training prompts (the
+   built-in arithmetic task has 331) as the scripts sample (temperature 0.7, full softmax); the task's checker labels
+   each. A prompt with a correct and a wrong completion gives up to 2 pairs (correct, wrong); the last 20% of prompts
+   are held out.
 2. The reward model: the same SmolLM2 with a scalar head (transformers' LlamaForSequenceClassification, the head
    new), trained on the pairs with the Bradley-Terry loss -log sigmoid(r_correct - r_wrong) in plain PyTorch: a loop
    of a dozen lines, which TRL's RewardTrainer would wrap in its own arguments and data collator. It reads each pair
