@@ -73,8 +73,9 @@ import torch.nn.functional as F
 import tyro
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict,
+                                                     set_model_state_dict,
                                                      set_optimizer_state_dict)
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.tensorboard import SummaryWriter
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache,
                           GenerationConfig, LogitsProcessor, LogitsProcessorList)
@@ -545,7 +546,9 @@ def main(args: Args) -> None:
     torch.manual_seed(args.seed)
     # every forward pass (sampling, old, reference, training): float32 weights cast per op
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    tokenizer, model = load_model(args.model, read)  # float32 weights, on the CPU until sharded
+    # float32 weights, on the CPU until sharded; under torchrun rank 0's alone (the others: on the
+    # meta device, no memory, until `shard` sends them their shards)
+    tokenizer, model = load_model(args.model, read, weights=rank == 0)
     # --reward-model: frozen, in the compute dtype, a whole copy on every rank
     if args.reward_model:
         task.reward_model = rewards.RewardModel(args.reward_model, dtype, device,
@@ -558,14 +561,15 @@ def main(args: Args) -> None:
     # the reference: the initial policy, frozen (none when beta is 0; with LoRA, see below)
     ref_model = None
     if args.beta > 0 and not args.lora_rank:
-        ref_model = shard(reference_copy(model, dtype), layers, device)
-    # resuming: the checkpoint's weights (of a LoRA run, its adapter: add_lora loads it)
-    if args.resume and not args.lora_rank:
+        ref_model = shard(reference_copy(model, dtype), layers, device, dtype, source=model)
+    # resuming: the checkpoint's weights (of a LoRA run, its adapter: add_lora loads it), on rank 0
+    if args.resume and not args.lora_rank and rank == 0:
         saved = AutoModelForCausalLM.from_pretrained(args.resume, dtype=torch.float32)
         model.load_state_dict(saved.state_dict())
+        del saved  # (one full copy at a time)
     model = add_lora(model, args)
     frozen_in_compute_dtype(model, dtype)  # LoRA: its frozen base cast once, not at every product
-    model = shard(model, layers, device)
+    model = shard(model, layers, device, dtype)
     # a LoRA run's reference is the policy itself, its adapter switched off
     if args.beta > 0 and args.lora_rank:
         ref_model = model
@@ -772,11 +776,11 @@ def main(args: Args) -> None:
             # any rank: every rank stops after this same step)
             stopping = any(all_gather(len(signals) > 0))
             if stopping or step == args.steps or (args.save_every and step % args.save_every == 0):
-                optimizer_state = get_optimizer_state_dict(model, optimizer, options=FULL_STATE)
-                state = {"step": step, "prompts_taken": prompts_taken, "accuracy": accuracy,
-                         "skipped_updates": skipped, "scheduler": scheduler.state_dict(),
-                         "optimizer": optimizer_state}
-                last_checkpoint = save_checkpoint(run_dir, model, tokenizer, state, args)
+                last_checkpoint = save_checkpoint(run_dir, model, tokenizer, {
+                    "step": step, "prompts_taken": prompts_taken, "accuracy": accuracy,
+                    "skipped_updates": skipped, "scheduler": scheduler.state_dict(),
+                    "optimizer": get_optimizer_state_dict(model, optimizer, options=FULL_STATE)},
+                    args)
             if stopping:
                 break
     if llm is not None:
@@ -1044,18 +1048,26 @@ def read_model(name: str) -> tuple:
     return tokenizer, config, path, kwargs
 
 
-def load_model(name: str, read: tuple | None = None):
+def load_model(name: str, read: tuple | None = None, weights: bool = True):
     """Tokenizer and causal LM (CPU, float32, train mode, no dropout) from a Hub id, a folder or a
-    .gguf file; `read`: read_model's answer for it, where it was read before."""
+    .gguf file; `read`: read_model's answer for it, where it was read before. Without `weights`, the
+    model's modules alone, their tensors on the meta device (for `shard` to fill)."""
     tokenizer, config, path, kwargs = read or read_model(name)
     # no dropout (as in TRL): a sequence's log-probs must not change between passes (Llama's
     # attention reads config.attention_dropout itself in train mode)
     for key, value in config.to_dict().items():
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
             setattr(config, key, 0.0)
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32, **kwargs)
+    if weights:
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32,
+                                                     **kwargs)
+    else:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with contextlib.suppress(OSError):  # the checkpoint's, as from_pretrained reads it, if any
+            model.generation_config = GenerationConfig.from_pretrained(path, **kwargs)
     # a GGUF model is rebuilt without its quantization config, so that save_pretrained works
-    if "gguf_file" in kwargs:
+    if "gguf_file" in kwargs and weights:
         del model.config.quantization_config
         plain = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
         plain.load_state_dict(model.state_dict())
@@ -1172,7 +1184,8 @@ def resume(args: Args) -> tuple[Args, dict]:
     if not os.path.isfile(os.path.join(checkpoint, STATE_FILE)):
         raise SystemExit(f"error: --resume {args.resume}: not a checkpoint (no {STATE_FILE} in "
                          f"{checkpoint}): give a step_N folder of a run, or its latest")
-    state = torch.load(os.path.join(checkpoint, STATE_FILE), weights_only=True)
+    # mapped, not read: each rank reads what it uses (the optimizer state: rank 0, restore)
+    state = torch.load(os.path.join(checkpoint, STATE_FILE), weights_only=True, mmap=True)
     state.setdefault("prompts_taken", state.get("cursor", {}).get("prompts_taken"))  # (before 12/7)
     if state["script"] != os.path.basename(__file__):
         raise SystemExit(f"error: --resume {checkpoint}: a checkpoint of {state['script']}, not "
@@ -1191,9 +1204,10 @@ def resume(args: Args) -> tuple[Args, dict]:
 
 
 def restore(state: dict, module, optimizer, scheduler, checkpoint: str, rank: int):
-    """The optimizer, the schedule and this rank's random generators as the checkpoint has them."""
-    full = StateDictOptions(full_state_dict=True)
-    set_optimizer_state_dict(module, optimizer, state["optimizer"], options=full)
+    """The optimizer, the schedule and this rank's random generators as the checkpoint has them (the
+    optimizer state read by rank 0, each rank sent its shards, then dropped)."""
+    full = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized())
+    set_optimizer_state_dict(module, optimizer, state.pop("optimizer"), options=full)
     scheduler.load_state_dict(state["scheduler"])
     # this rank's Python, torch and CUDA generators
     python_rng, torch_rng, cuda_rng = state["rng"][rank]
@@ -1510,23 +1524,48 @@ def all_gather(x):
     return torch.cat(parts)
 
 
-def shard(module: torch.nn.Module, layer_names: set, device: torch.device) -> torch.nn.Module:
+def shard(module: torch.nn.Module, layer_names: set, device: torch.device, dtype: torch.dtype,
+          source: torch.nn.Module | None = None) -> torch.nn.Module:
     """FSDP2: each decoder layer, then the rest, sharded over the ranks (float32 weights, gradients
-    and AdamW state, 1/world per device). A layer's weights are gathered as stored, float32, and
-    autocast casts them per op as on one device: one process and many compute the same."""
+    and AdamW state, 1/world per device), cut from rank 0's `source` (default: the module; the other
+    ranks' are on the meta device). Linear weights are gathered in `dtype`, as autocast casts them
+    on one device (so autograd keeps no cast of them), the rest as stored; gradients summed in
+    float32: one process and many compute the same."""
     if not dist.is_initialized():
         return module.to(device)
+    source = module if source is None else source
+    weights = source.state_dict()  # (rank 0: whole, until each rank has its shards)
+    linear = MixedPrecisionPolicy(dtype, torch.float32, cast_forward_inputs=False)
     for layer in [m for m in module.modules() if type(m).__name__ in layer_names]:
-        fully_shard(layer)
+        # its norms (parts with weights of their own, not linear) apart, gathered as stored
+        for part in layer.modules():
+            own = list(part.parameters(recurse=False))
+            if own and part is not layer and not isinstance(part, torch.nn.Linear):
+                fully_shard(part)
+        fully_shard(layer, mp_policy=linear)
+    # an untied embedding and head (a critic has none) apart, gathered only while they compute
+    head = getattr(module, "get_output_embeddings", lambda: None)()
+    if head is not None and head.weight is not module.get_input_embeddings().weight:
+        fully_shard(module.get_input_embeddings())
+        fully_shard(head, mp_policy=MixedPrecisionPolicy() if "forward" in vars(head) else linear)
     # (LoRA: the root is the base model, whose forward `generate` calls too)
     fully_shard(module.get_base_model() if isinstance(module, peft.PeftModel) else module)
+    if next(module.parameters()).is_meta:
+        module.to_empty(device=device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(module, weights, options=options)
+    # the buffers, which no state dict holds whole (rotary frequencies), rank 0's
+    for buffer, original in zip(module.buffers(), source.buffers()):
+        dist.broadcast(buffer.copy_(original) if dist.get_rank() == 0 else buffer, 0)
     return module
 
 
 def reference_copy(model, dtype: torch.dtype):
     """A frozen copy of the initial policy that computes exactly what the policy computes, in train
-    mode as it is (no dropout), its linear layers in `dtype` (frozen_in_compute_dtype)."""
-    ref_model = copy.deepcopy(model).requires_grad_(False)
+    mode as it is (no dropout), its linear layers in `dtype` (frozen_in_compute_dtype); under
+    torchrun its parameters on the meta device, for `shard` to fill from rank 0's policy."""
+    meta = {id(p): torch.nn.Parameter(p.to("meta"), p.requires_grad) for p in model.parameters()}
+    ref_model = copy.deepcopy(model, meta if dist.is_initialized() else {}).requires_grad_(False)
     frozen_in_compute_dtype(ref_model, dtype)
     return ref_model
 
@@ -1648,6 +1687,7 @@ def policy_loaded(llm, model):
         llm.wake_up(tags=["weights"])
     sync_weights(llm, model)
     if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # (and the weights' gathered copies)
         llm.wake_up(tags=["kv_cache"])
     try:
         yield

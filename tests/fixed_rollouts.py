@@ -61,10 +61,10 @@ def fixed_score(completions, answers, task, weights, prompts=None):
 def recording(shard):
     """`shard`, also writing what this process holds of each sharded module to $REPORT_SHARDS.{rank}.json: the bytes
     of its parameters' local shards and of the whole parameters, and the device of the input module."""
-    def wrapped(module, layer_names, device):
+    def wrapped(module, layer_names, device, *args, **kwargs):
         full = sum(p.numel() * p.element_size() for p in module.parameters())
         where = str(next(module.parameters()).device)
-        module = shard(module, layer_names, device)
+        module = shard(module, layer_names, device, *args, **kwargs)
         local = sum(p.to_local().numel() * p.element_size() for p in module.parameters())
         records.append({"full": full, "local": local, "loaded_on": where})
         with open(f"{os.environ['REPORT_SHARDS']}.{os.environ.get('RANK', '0')}.json", "w") as f:
@@ -74,10 +74,32 @@ def recording(shard):
     return wrapped
 
 
+def recording_saved(token_logprobs):
+    """`token_logprobs`, also writing to $REPORT_SAVED.{rank}.json, after each pass with a gradient, the tensors that
+    autograd keeps for its backward and whose memory is still held then (FSDP2 frees the weights it gathered for a
+    layer once the layer has run): [dtype, shape, bytes] of each, one storage once."""
+    def wrapped(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return token_logprobs(*args, **kwargs)
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda x: kept.append(x) or x, lambda x: x):
+            result = token_logprobs(*args, **kwargs)
+        held = {x.untyped_storage().data_ptr(): [str(x.dtype), list(x.shape), x.untyped_storage().nbytes()]
+                for x in kept if x.untyped_storage().nbytes() > 0}
+        passes.append(list(held.values()))
+        with open(f"{os.environ['REPORT_SAVED']}.{os.environ.get('RANK', '0')}.json", "w") as f:
+            json.dump(passes, f)
+        return result
+    passes = []
+    return wrapped
+
+
 if __name__ == "__main__":
     module = importlib.import_module(sys.argv[1])
     if "REPORT_SHARDS" in os.environ:
         module.shard = recording(module.shard)
+    if "REPORT_SAVED" in os.environ:
+        module.token_logprobs = recording_saved(module.token_logprobs)
     module.sample, module.rewards.score = fixed_sample, fixed_score
     torch.optim.AdamW = lambda params, lr, **options: torch.optim.SGD(params, lr=lr)
     module.main(tyro.cli(module.Args, args=sys.argv[2:] + ["--max-new-tokens", str(MAX_NEW_TOKENS)]))

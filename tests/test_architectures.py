@@ -4,6 +4,7 @@ The shared-prompt forward gives the log-probs of whole rows on each; models whos
 each (slow)."""
 
 import glob
+import shutil
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import tyro
 import grpo
 import ppo
 from conftest import OWN_ARGS
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 SIZE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             max_position_embeddings=64)
@@ -73,3 +74,21 @@ def test_grpo_and_ppo_train_two_steps(module, architecture, copy_task, tmp_path,
     module.main(tyro.cli(module.Args, args=argv))
     (last,) = glob.glob("ckpt/*/step_2")
     assert AutoModelForCausalLM.from_pretrained(last).config.model_type == kind
+
+
+def test_a_model_without_its_weights_has_the_modules_and_generation_config_of_the_loaded_one(architecture, tmp_path):
+    """load_model(..., weights=False), as ranks > 0 build the model under torchrun: the same parameters and buffers
+    (names, shapes, dtypes), on the meta device, and the checkpoint's generation config (its EOS ids: here one more
+    than the config's), which sampling stops on."""
+    path = shutil.copytree(architecture[1], tmp_path / "model")
+    generation = GenerationConfig.from_pretrained(path)
+    generation.eos_token_id = [2, 7]
+    generation.save_pretrained(path)
+    _, loaded = grpo.load_model(str(path))
+    _, skeleton = grpo.load_model(str(path), weights=False)
+
+    def described(model):
+        return [(name, x.shape, x.dtype) for name, x in [*model.named_parameters(), *model.named_buffers()]]
+    assert described(skeleton) == described(loaded)
+    assert all(x.is_meta for x in skeleton.parameters())
+    assert skeleton.generation_config.eos_token_id == loaded.generation_config.eos_token_id == [2, 7]

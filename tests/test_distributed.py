@@ -110,9 +110,10 @@ def test_a_two_process_run_resumes_to_the_same_weights(module, tiny_model, copy_
 
 @pytest.mark.parametrize("module", [grpo, ppo])
 def test_after_set_up_each_process_holds_its_share_of_the_weights(module, tiny_model, copy_task, tmp_path):
-    """Two processes, --dtype bfloat16: every model is loaded on the CPU, never whole on a device, and after sharding
-    each process holds half of the float32 policy (and of PPO's critic) and half of the reference model (its linear
-    layers in bf16, the rest float32), as docs/distributed.md counts it."""
+    """Two processes, --dtype bfloat16: rank 0 alone loads the policy (and PPO's critic) whole, on the CPU, never
+    whole on a device; rank 1's and every reference model are on the meta device (no memory) until sharded; after
+    sharding each process holds half of the float32 policy (and of PPO's critic) and half of the reference model (its
+    linear layers in bf16, the rest float32), as docs/distributed.md counts it."""
     argv = [os.path.join(ROOT, "tests", "fixed_rollouts.py"), module.__name__, "--model", tiny_model, "--task",
             copy_task, "--steps", "1", "--eval-every", "0", "--output-dir", "ckpt", "--dtype", "bfloat16",
             "--beta", "0.1", *batch(module)]
@@ -123,13 +124,34 @@ def test_after_set_up_each_process_holds_its_share_of_the_weights(module, tiny_m
     for rank in (0, 1):
         with open(tmp_path / f"shards.{rank}.json") as f:
             ranks.append(json.load(f))  # reference, (PPO's critic,) policy: in the order main shards them
+    assert [r["loaded_on"] for r in ranks[0]] == ["meta"] + ["cpu"] * (1 + (module is ppo))
+    assert [r["loaded_on"] for r in ranks[1]] == ["meta"] * (2 + (module is ppo))
     for records in ranks:
-        assert len(records) == 2 + (module is ppo) and all(r["loaded_on"] == "cpu" for r in records)
         assert records[0]["full"] == records[-1]["full"] - 2 * linear  # the reference's linear layers in bf16
         for r in records:  # a shard is half of each parameter's rows, the first rank taking the odd one
             assert 0.45 * r["full"] <= r["local"] <= 0.55 * r["full"], r
     for first, second in zip(*ranks):
         assert first["local"] + second["local"] == first["full"]
+
+
+def test_in_bf16_autograd_keeps_no_whole_weight_of_a_layer(tiny_model, copy_task, tmp_path):
+    """Two processes, --dtype bfloat16: after each training forward pass, what autograd keeps for the backward and
+    still holds is activations, never a decoder layer's weight whole: FSDP2 gathers it in bf16 and frees it after the
+    layer (a bf16 cast of a float32 weight that FSDP2 gathered would be kept until the backward: a whole copy of the
+    model on every process). One process keeps such casts, 2 bytes a parameter beside its 16 of trained state."""
+    processes = 2
+    argv = [os.path.join(ROOT, "tests", "fixed_rollouts.py"), "grpo", "--model", tiny_model, "--task", copy_task,
+            "--steps", "1", "--eval-every", "0", "--output-dir", "ckpt", "--dtype", "bfloat16", "--beta", "0.1",
+            *batch(grpo)]
+    launch(argv, tmp_path, processes, REPORT_SAVED=str(tmp_path / "saved"))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    layer_weights = {tuple(p.shape) for name, p in model.named_parameters() if ".layers." in name and p.dim() == 2}
+    for rank in range(processes):
+        with open(tmp_path / f"saved.{rank}.json") as f:
+            passes = json.load(f)
+        assert len(passes) >= 2 and all(len(kept) > 10 for kept in passes)  # every micro-batch's, activations
+        whole = [(dtype, shape) for kept in passes for dtype, shape, _ in kept if tuple(shape) in layer_weights]
+        assert whole == [], whole
 
 
 def test_four_processes_with_the_default_batch_take_a_step(tiny_model, copy_task, tmp_path):
