@@ -549,7 +549,7 @@ def micro_batches(indices: torch.Tensor, completion_mask: torch.Tensor, group_si
     lengths = completion_mask.sum(1).cpu()
     longest = lengths.view(-1, group_size).max(1).values  # (N / G,): each group's longest
     key = longest[indices // group_size] * len(completion_mask) + indices  # that length, then group
-    return indices[key.argsort()].split(size)
+    return indices[key.argsort()].to(completion_mask.device).split(size)  # (indices on the device)
 
 
 @torch.no_grad()
@@ -604,8 +604,9 @@ def main(args: Args) -> None:
         del saved  # (one full copy at a time)
     # PPO: the critic, from the policy's transformer (resuming: the checkpoint's, on rank 0)
     critic = Critic(model)
+    critic_state = state.pop("critic", None)  # (on ranks > 0, a map of the file, never read)
     if args.resume and rank == 0:
-        critic.load_state_dict(state.pop("critic"))
+        critic.load_state_dict(critic_state)
     critic = shard(critic, layers, device, dtype)
     model = add_lora(model, args)
     frozen_in_compute_dtype(model, dtype)  # LoRA: its frozen base cast once, not at every product
@@ -1106,8 +1107,10 @@ def load_model(name: str, read: tuple | None = None, weights: bool = True):
     else:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        with contextlib.suppress(OSError):  # the checkpoint's, as from_pretrained reads it, if any
-            model.generation_config = GenerationConfig.from_pretrained(path, **kwargs)
+    # the checkpoint's generation config (its EOS ids), where from_pretrained reads one
+    if not weights and "gguf_file" not in kwargs:
+        with contextlib.suppress(OSError):
+            model.generation_config = GenerationConfig.from_pretrained(path)
     # a GGUF model is rebuilt without its quantization config, so that save_pretrained works
     if "gguf_file" in kwargs and weights:
         del model.config.quantization_config
@@ -1135,7 +1138,9 @@ def add_lora(model, args: Args):
     if not args.lora_rank:
         return model
     if args.resume:
-        return peft.PeftModel.from_pretrained(model, args.resume, is_trainable=True)
+        # (low_cpu_mem_usage: the adapter's tensors made as loaded, not copied into meta ones)
+        return peft.PeftModel.from_pretrained(model, args.resume, is_trainable=True,
+                                              low_cpu_mem_usage=True)
     config = peft.LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
                              target_modules="all-linear", task_type="CAUSAL_LM")
     return peft.get_peft_model(model, config)
@@ -1226,8 +1231,9 @@ def resume(args: Args) -> tuple[Args, dict]:
     if not os.path.isfile(os.path.join(checkpoint, STATE_FILE)):
         raise SystemExit(f"error: --resume {args.resume}: not a checkpoint (no {STATE_FILE} in "
                          f"{checkpoint}): give a step_N folder of a run, or its latest")
-    # mapped, not read: each rank reads what it uses (the optimizer state: rank 0, restore)
-    state = torch.load(os.path.join(checkpoint, STATE_FILE), weights_only=True, mmap=True)
+    # under torchrun ranks > 0 map it, reading only what they use (rank 0 sends the optimizer state)
+    rank = int(os.environ.get("RANK", "0"))
+    state = torch.load(os.path.join(checkpoint, STATE_FILE), weights_only=True, mmap=rank > 0)
     state.setdefault("prompts_taken", state.get("cursor", {}).get("prompts_taken"))  # (before 12/7)
     if state["script"] != os.path.basename(__file__):
         raise SystemExit(f"error: --resume {checkpoint}: a checkpoint of {state['script']}, not "
@@ -1252,7 +1258,7 @@ def restore(state: dict, module, optimizer, scheduler, checkpoint: str, rank: in
     set_optimizer_state_dict(module, optimizer, state.pop("optimizer"), options=full)
     scheduler.load_state_dict(state["scheduler"])
     # this rank's Python, torch and CUDA generators
-    python_rng, torch_rng, cuda_rng = state["rng"][rank]
+    python_rng, torch_rng, cuda_rng = state.pop("rng")[rank]  # (nothing kept of a mapped file)
     random.setstate(python_rng)
     torch.set_rng_state(torch_rng)
     torch.cuda.set_rng_state_all(cuda_rng)
@@ -1579,11 +1585,15 @@ def shard(module: torch.nn.Module, layer_names: set, device: torch.device, dtype
     weights = source.state_dict()  # (rank 0: whole, until each rank has its shards)
     linear = MixedPrecisionPolicy(dtype, torch.float32, cast_forward_inputs=False)
     for layer in [m for m in module.modules() if type(m).__name__ in layer_names]:
-        # its norms (parts with weights of their own, not linear) apart, gathered as stored
-        for part in layer.modules():
+        # its parts with weights of their own but linear layers (norms), gathered as stored, each
+        # the outermost such part with all it holds
+        apart = []  # their names in the layer
+        for name, part in layer.named_modules():
             own = list(part.parameters(recurse=False))
-            if own and part is not layer and not isinstance(part, torch.nn.Linear):
+            inside = any(name.startswith(f"{outer}.") for outer in apart)
+            if own and name and not inside and not isinstance(part, torch.nn.Linear):
                 fully_shard(part)
+                apart.append(name)
         fully_shard(layer, mp_policy=linear)
     # an untied embedding and head (a critic has none) apart, gathered only while they compute
     head = getattr(module, "get_output_embeddings", lambda: None)()

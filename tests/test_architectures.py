@@ -4,7 +4,10 @@ The shared-prompt forward gives the log-probs of whole rows on each; models whos
 each (slow)."""
 
 import glob
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -92,3 +95,25 @@ def test_a_model_without_its_weights_has_the_modules_and_generation_config_of_th
     assert described(skeleton) == described(loaded)
     assert all(x.is_meta for x in skeleton.parameters())
     assert skeleton.generation_config.eos_token_id == loaded.generation_config.eos_token_id == [2, 7]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_moe"])  # parts with weights of their own, holding linear layers
+def test_fsdp2_shards_each_architecture_under_torchrun(kind, tiny_model, copy_task, tmp_path):
+    """`torchrun --nproc_per_node 2` (gloo), bf16, with the reference model: FSDP2 shards the hybrid model (its
+    linear attention holds weights of its own and linear layers, and reads its convolution's weight itself) and the
+    mixture of experts (experts that are not linear layers), and a step trains."""
+    path = str(tmp_path / kind)
+    config = AutoConfig.for_model(kind, vocab_size=len(AutoTokenizer.from_pretrained(tiny_model)), pad_token_id=0,
+                                  bos_token_id=1, eos_token_id=2, **SIZE, **ARCHITECTURES[kind])
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(path)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", grpo.__file__,
+            "--model", path, "--task", copy_task, "--steps", "1", "--eval-every", "0", "--num-prompts", "2",
+            "--group-size", "2", "--num-minibatches", "1", "--max-new-tokens", "4", "--dtype", "bfloat16", "--beta",
+            "0.1", "--output-dir", str(tmp_path / "ckpt")]
+    result = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    (checkpoint,) = glob.glob(str(tmp_path / "ckpt" / "*" / "step_1"))
+    assert AutoModelForCausalLM.from_pretrained(checkpoint).config.model_type == kind

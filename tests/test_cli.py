@@ -167,7 +167,7 @@ class Loading(Exception):
     """Raised in place of loading the model: the run got that far."""
 
 
-def loading(*args):
+def loading(*args, **kwargs):
     raise Loading
 
 
