@@ -1585,21 +1585,17 @@ def shard(module: torch.nn.Module, layer_names: set, device: torch.device, dtype
     weights = source.state_dict()  # (rank 0: whole, until each rank has its shards)
     linear = MixedPrecisionPolicy(dtype, torch.float32, cast_forward_inputs=False)
     for layer in [m for m in module.modules() if type(m).__name__ in layer_names]:
-        # its parts with weights of their own but linear layers (norms), gathered as stored, each
-        # the outermost such part with all it holds
-        apart = []  # their names in the layer
+        # its parts with weights of their own but linear layers (norms; the outermost such part with
+        # all it holds), one group gathered as stored
+        apart = {}  # {name in the layer: part}
         for name, part in layer.named_modules():
             own = list(part.parameters(recurse=False))
             inside = any(name.startswith(f"{outer}.") for outer in apart)
             if own and name and not inside and not isinstance(part, torch.nn.Linear):
-                fully_shard(part)
-                apart.append(name)
+                apart[name] = part
+        if apart:
+            fully_shard(list(apart.values()))
         fully_shard(layer, mp_policy=linear)
-    # an untied embedding and head (a critic has none) apart, gathered only while they compute
-    head = getattr(module, "get_output_embeddings", lambda: None)()
-    if head is not None and head.weight is not module.get_input_embeddings().weight:
-        fully_shard(module.get_input_embeddings())
-        fully_shard(head, mp_policy=MixedPrecisionPolicy() if "forward" in vars(head) else linear)
     # (LoRA: the root is the base model, whose forward `generate` calls too)
     fully_shard(module.get_base_model() if isinstance(module, peft.PeftModel) else module)
     if next(module.parameters()).is_meta:
