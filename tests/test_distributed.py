@@ -165,12 +165,12 @@ def test_four_processes_with_the_default_batch_take_a_step(tiny_model, copy_task
 
 
 def test_at_four_processes_each_rank_after_the_first_holds_at_most_half_of_one_process(tmp_path):
-    """benchmark/memory.py's runs, one bf16 GRPO step with its reference model on a random 148M Llama: the peak
-    resident set of each of ranks 1-3 under `torchrun --nproc_per_node 4`, before its checkpoint, is at most half of
-    one process's (measured: 1.32 GB against 3.00, 0.44; before 2026-12-08 0.88-0.95, every rank having loaded the
-    whole model and its reference copy and kept a bf16 cast of every weight for the backward), and rank 0's at most
-    one float32 copy of the model more (it alone loads it). glibc returns freed blocks at once in these runs
-    (MALLOC_MMAP_THRESHOLD_), so that the resident set follows the tensors alive."""
+    """benchmark/memory.py's runs, one bf16 GRPO step with its reference model on a random 148M Llama, glibc
+    returning freed blocks at once (MALLOC_MMAP_THRESHOLD_) so that the resident set follows the tensors alive: set
+    up, ranks 1-3 under `torchrun --nproc_per_node 4` hold less than one process less a float32 copy of the model
+    (measured 0.74 GB against 1.53: before 2026-12-08 every rank loaded the model and made its reference copy, 1.53);
+    each one's peak before its checkpoint is at most half of one process's (measured 1.31 GB against 3.00; before,
+    1.53, the set-up's); rank 0's at most one float32 copy of the model more (it alone loads it)."""
     spec = importlib.util.spec_from_file_location("memory", os.path.join(ROOT, "benchmark", "memory.py"))
     memory = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(memory)
