@@ -1582,7 +1582,7 @@ def policy_loaded(llm, model):
         llm.wake_up(tags=["weights"])
     sync_weights(llm, model)
     if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # (and the weights' gathered copies)
+        torch.cuda.empty_cache()  # the blocks of the weights just sent, for the KV cache
         llm.wake_up(tags=["kv_cache"])
     try:
         yield
